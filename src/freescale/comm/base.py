@@ -1,0 +1,211 @@
+"""One asynchronous interface for FreeScale's collectives.
+
+Owns: :class:`Awaitable` (a handle whose ``wait()`` returns the result, as in
+TorchRec), :class:`Communicator` (all-gather, variable-split all-to-all, all-reduce
+over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU) and per-backend
+byte / call counters. SM-free backends (copy-engine, host-staged) implement the same
+:class:`Communicator` methods and live in sibling modules; callers never branch on the
+backend.
+
+It may not touch model state: it moves tensors and nothing else. Every collective
+carries a name, used in errors ("all_to_all 'ids' on rank 1 of 2 failed: ...").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Awaitable", "Done", "CommStats", "Communicator", "CollectiveError"]
+
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it and the ranks."""
+
+
+class Awaitable(Generic[T]):
+    """Result of an asynchronous collective. ``wait()`` blocks (or, on CUDA, makes the
+    current stream wait) and returns the result; calling it twice is fine."""
+
+    def __init__(
+        self,
+        works: Sequence[object],
+        finish: Callable[[], T],
+        name: str = "",
+        describe: str = "",
+    ) -> None:
+        self._works = list(works)
+        self._finish = finish
+        self._name = name
+        self._describe = describe
+        self._done = False
+        self._result: T | None = None
+
+    def wait(self) -> T:
+        if not self._done:
+            try:
+                for w in self._works:
+                    w.wait()  # type: ignore[attr-defined]
+            except Exception as e:  # gloo/NCCL errors: add what and who
+                raise CollectiveError(f"{self._describe} failed: {e}") from e
+            self._result = self._finish()
+            self._done = True
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)  # type: ignore[attr-defined]
+
+
+class Done(Awaitable[T]):
+    """An already available result (single rank, or nothing to send)."""
+
+    def __init__(self, value: T) -> None:
+        super().__init__([], lambda: value)
+
+
+@dataclass
+class CommStats:
+    """Bytes sent and calls made per (backend, collective name)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds_issuing: float = 0.0
+
+    def add(self, key: str, nbytes: int) -> None:
+        self.bytes[key] += int(nbytes)
+        self.calls[key] += 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.seconds_issuing = 0.0
+
+
+class Communicator:
+    """Collectives over one ``torch.distributed`` process group (gloo or NCCL).
+
+    With ``group=None`` and no initialised process group, it acts as a world of one
+    rank (every collective returns its input), so single-process code paths need no
+    special case.
+    """
+
+    backend_name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, name: str = "default") -> None:
+        self.group = group
+        self.name = name
+        self.stats = CommStats()
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.backend_name = str(dist.get_backend(group))
+        else:
+            self.rank, self.world_size = 0, 1
+            self.backend_name = "single"
+
+    # ---------------------------------------------------------------- helpers
+    def _describe(self, op: str, name: str) -> str:
+        return f"{op} '{name}' on rank {self.rank} of {self.world_size} ({self.backend_name})"
+
+    def _count(self, op: str, name: str, nbytes: int) -> None:
+        self.stats.add(f"{self.backend_name}:{op}:{name}", nbytes)
+
+    # ------------------------------------------------------------ collectives
+    def all_gather(self, tensor: torch.Tensor, name: str = "") -> Awaitable[list[torch.Tensor]]:
+        """Every rank's ``tensor`` (same shape on all ranks), indexed by rank."""
+        if self.world_size == 1:
+            return Done([tensor])
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._count("all_gather", name, tensor.numel() * tensor.element_size())
+        t0 = time.perf_counter()
+        try:
+            work = dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
+        except Exception as e:
+            raise CollectiveError(f"{self._describe('all_gather', name)} failed: {e}") from e
+        self.stats.seconds_issuing += time.perf_counter() - t0
+        return Awaitable([work], lambda: out, name, self._describe("all_gather", name))
+
+    def all_to_all_v(
+        self,
+        tensor: torch.Tensor,
+        input_splits: Sequence[int],
+        output_splits: Sequence[int],
+        name: str = "",
+    ) -> Awaitable[torch.Tensor]:
+        """Variable-split all-to-all along dim 0. ``input_splits[d]`` rows go to rank d;
+        ``output_splits[s]`` rows arrive from rank s, concatenated by source rank."""
+        input_splits = [int(s) for s in input_splits]
+        output_splits = [int(s) for s in output_splits]
+        if len(input_splits) != self.world_size or len(output_splits) != self.world_size:
+            raise ValueError(
+                f"{self._describe('all_to_all', name)}: splits must have {self.world_size} "
+                f"entries, got {len(input_splits)} and {len(output_splits)}"
+            )
+        if sum(input_splits) != tensor.shape[0]:
+            raise ValueError(
+                f"{self._describe('all_to_all', name)}: input splits sum to "
+                f"{sum(input_splits)} but the tensor has {tensor.shape[0]} rows"
+            )
+        if self.world_size == 1:
+            return Done(tensor)
+        out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        row = tensor[0:1].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+        self._count("all_to_all", name, (sum(input_splits) - input_splits[self.rank]) * row)
+        t0 = time.perf_counter()
+        try:
+            work = dist.all_to_all_single(
+                out,
+                tensor.contiguous(),
+                output_split_sizes=output_splits,
+                input_split_sizes=input_splits,
+                group=self.group,
+                async_op=True,
+            )
+        except Exception as e:
+            raise CollectiveError(f"{self._describe('all_to_all', name)} failed: {e}") from e
+        self.stats.seconds_issuing += time.perf_counter() - t0
+        return Awaitable([work], lambda: out, name, self._describe("all_to_all", name))
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""
+    ) -> Awaitable[torch.Tensor]:
+        """In-place all-reduce of ``tensor``; the handle returns it."""
+        if self.world_size == 1:
+            return Done(tensor)
+        self._count("all_reduce", name, tensor.numel() * tensor.element_size())
+        try:
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        except Exception as e:
+            raise CollectiveError(f"{self._describe('all_reduce', name)} failed: {e}") from e
+        return Awaitable([work], lambda: tensor, name, self._describe("all_reduce", name))
+
+    def exchange_counts(self, counts: torch.Tensor, name: str = "counts") -> torch.Tensor:
+        """Blocking all-to-all of a ``[W, ...]`` integer count matrix: row d goes to rank d;
+        the result's row s came from rank s. Used to learn output splits."""
+        if self.world_size == 1:
+            return counts.clone()
+        flat = counts.reshape(self.world_size, -1)
+        per = flat.shape[1]
+        out = self.all_to_all_v(
+            flat.reshape(-1), [per] * self.world_size, [per] * self.world_size, name
+        ).wait()
+        return out.reshape(counts.shape)
+
+    def barrier(self, name: str = "barrier") -> None:
+        if self.world_size == 1:
+            return
+        try:
+            dist.barrier(group=self.group)
+        except Exception as e:
+            raise CollectiveError(f"{self._describe('barrier', name)} failed: {e}") from e

@@ -1,0 +1,167 @@
+"""Typed configuration for every FreeScale component.
+
+Owns the dataclasses a run is described by (data, tables, model, sparse optimizer,
+training loop) and the config hash every rank checks at start-up. No component reads
+untyped dictionaries; the CLI builds these from flags and the embedded defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "TableConfig",
+    "SparseOptimConfig",
+    "DataConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "config_hash",
+    "config_to_dict",
+]
+
+CANDIDATE_FEATURE = "candidates"
+
+
+@dataclass
+class TableConfig:
+    """One embedding table; ``feature_names`` share it (TorchRec's EmbeddingConfig)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: list[str]
+    init_std: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings <= 0:
+            raise ValueError(f"table '{self.name}': num_embeddings must be > 0")
+        if self.embedding_dim <= 0:
+            raise ValueError(f"table '{self.name}': embedding_dim must be > 0")
+        if not self.feature_names:
+            raise ValueError(f"table '{self.name}': needs at least one feature")
+
+
+@dataclass
+class SparseOptimConfig:
+    """Fused sparse optimizer applied by the owner of each row (fbgemm semantics).
+
+    * ``sgd``: ``w -= lr * g`` (fbgemm EXACT_SGD)
+    * ``rowwise_adagrad``: ``s += mean(g^2)``, ``w -= lr * g / (sqrt(s) + eps)``
+      (fbgemm EXACT_ROWWISE_ADAGRAD)
+    * ``adam``: per-element Adam with bias correction by the global step.
+    ``g`` is the sum of every gradient of the row in this step.
+    """
+
+    kind: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sgd", "rowwise_adagrad", "adam"):
+            raise ValueError(
+                f"unknown sparse optimizer '{self.kind}' (sgd, rowwise_adagrad, adam)"
+            )
+        if self.lr <= 0:
+            raise ValueError("sparse optimizer lr must be > 0")
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. Synthetic data is a pure function of
+    (seed, step, global sample index): never of rank or world size."""
+
+    source: Literal["synthetic", "movielens"] = "synthetic"
+    path: str | None = None  # MovieLens-format file or folder
+    seed: int = 1234
+    global_batch_size: int = 64
+    num_items: int = 20_000
+    num_actions: int = 4
+    # UIH length distribution (clipped to [min_uih, max_uih])
+    length_dist: Literal["lognormal", "powerlaw"] = "lognormal"
+    median_uih: int = 48
+    sigma: float = 1.0  # log-normal shape
+    powerlaw_alpha: float = 1.2  # Pareto tail index
+    min_uih: int = 1
+    max_uih: int = 512
+    zipf_s: float = 1.05  # item popularity exponent
+    num_candidates: int = 8
+    latent_dim: int = 8  # hidden ground-truth model
+    label_temperature: float = 3.0
+    # collision injection: share of step t+1's UIH ids copied from step t (0 = off)
+    overlap: float = 0.0
+    eval_samples: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size <= 0:
+            raise ValueError("global_batch_size must be > 0")
+        if not 1 <= self.min_uih <= self.max_uih:
+            raise ValueError(f"need 1 <= min_uih <= max_uih, got {self.min_uih}, {self.max_uih}")
+        if self.num_candidates <= 0:
+            raise ValueError("num_candidates must be > 0")
+
+
+@dataclass
+class ModelConfig:
+    """Reference HSTU/SASRec-style sequence model."""
+
+    embedding_dim: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    ffn_mult: int = 2
+    max_positions: int = 32_768
+    attention: Literal["auto", "reference", "sdpa", "flex"] = "auto"
+    dtype: Literal["float32", "float64"] = "float32"
+
+
+@dataclass
+class TrainConfig:
+    """One training run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sparse_optim: SparseOptimConfig = field(default_factory=SparseOptimConfig)
+    tables: list[TableConfig] | None = None  # None: derived from data + model
+    steps: int = 300
+    dense_lr: float = 3e-3
+    seed: int = 0  # dense init
+    eval_every: int = 100
+    eval_batches: int = 0  # 0: data.eval_samples / global_batch_size
+    log_every: int = 10
+    log_path: str | None = None  # JSON lines
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+    mode: Literal["vanilla"] = "vanilla"
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+
+
+def config_to_dict(cfg: object) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str))
+
+
+def config_hash(cfg: object) -> str:
+    """Stable hash of a config; every rank compares it at start-up."""
+    blob = json.dumps(config_to_dict(cfg), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def default_tables(data: DataConfig, model: ModelConfig, uih_keys: list[str]) -> list[TableConfig]:
+    """Tables of the built-in data sources: items (UIH items and candidates share it)
+    and actions."""
+    d = model.embedding_dim
+    tables = [
+        TableConfig("item", data.num_items, d, [k for k in uih_keys if k != "uih_action"])
+    ]
+    tables[0].feature_names.append(CANDIDATE_FEATURE)
+    if "uih_action" in uih_keys:
+        tables.append(TableConfig("action", data.num_actions, d, ["uih_action"]))
+    return tables
