@@ -113,6 +113,11 @@ class Communicator:
         else:
             self.rank, self.world_size = 0, 1
             self.backend_name = "single"
+        # tensors handed to this group's collectives must live here
+        if self.backend_name == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
 
     # ---------------------------------------------------------------- helpers
     def _describe(self, op: str, name: str) -> str:
@@ -195,12 +200,12 @@ class Communicator:
         the result's row s came from rank s. Used to learn output splits."""
         if self.world_size == 1:
             return counts.clone()
-        flat = counts.reshape(self.world_size, -1)
+        flat = counts.reshape(self.world_size, -1).to(self.device)
         per = flat.shape[1]
         out = self.all_to_all_v(
             flat.reshape(-1), [per] * self.world_size, [per] * self.world_size, name
         ).wait()
-        return out.reshape(counts.shape)
+        return out.reshape(counts.shape).to(counts.device)
 
     def barrier(self, name: str = "barrier") -> None:
         if self.world_size == 1:

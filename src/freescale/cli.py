@@ -1,0 +1,208 @@
+"""``freescale`` command line: ``train``, ``simulate``, ``bench``.
+
+Owns flag parsing into typed configs and process launching through torch's own
+launcher: ``freescale train --nproc N`` starts N local ranks with
+``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses); under torchrun
+(RANK / WORLD_SIZE already set) it runs the rank directly, which is how multi-node
+jobs start (``torchrun --nnodes ... -m freescale.cli train ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import uuid
+from typing import Any
+
+from .config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
+
+__all__ = ["main", "build_train_config", "run_rank"]
+
+# The embedded default of ``freescale train``: 2 CPU ranks (or one per GPU), synthetic
+# skewed UIH; about two minutes on a 2-core CPU.
+DEFAULT_STEPS = 250
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks (default: one per GPU, else 2 CPU ranks)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step over all ranks (default 64 per rank on CPU, "
+                   "128 per rank on GPU)")
+    p.add_argument("--source", choices=["synthetic", "movielens"], default="synthetic")
+    p.add_argument("--data-path", default=None, help="MovieLens-format file")
+    p.add_argument("--num-items", type=int, default=None)
+    p.add_argument("--max-uih", type=int, default=None)
+    p.add_argument("--median-uih", type=int, default=None)
+    p.add_argument("--length-dist", choices=["lognormal", "powerlaw"], default=None)
+    p.add_argument("--num-candidates", type=int, default=None)
+    p.add_argument("--embedding-dim", type=int, default=None)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--attention", choices=["auto", "reference", "sdpa", "flex"], default="auto")
+    p.add_argument("--sparse-optim", choices=["sgd", "rowwise_adagrad", "adam"],
+                   default="rowwise_adagrad")
+    p.add_argument("--sparse-lr", type=float, default=None)
+    p.add_argument("--dense-lr", type=float, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-samples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=1234)
+    p.add_argument("--log", default=None, help="JSON-lines log path (rank 0)")
+    p.add_argument("--summary", default=None, help="write the final summary JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="collective timeout in seconds")
+
+
+def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
+    nproc = args.nproc or 1
+    per_rank = 128 if gpu else 32
+    data = DataConfig(
+        source=args.source,
+        path=args.data_path,
+        seed=args.data_seed,
+        global_batch_size=args.global_batch_size or per_rank * nproc,
+    )
+    if gpu:  # long-UIH default on GPUs
+        data.num_items, data.max_uih, data.median_uih = 1_000_000, 16_384, 1024
+    for flag, attr in [
+        ("num_items", "num_items"), ("max_uih", "max_uih"), ("median_uih", "median_uih"),
+        ("length_dist", "length_dist"), ("num_candidates", "num_candidates"),
+        ("eval_samples", "eval_samples"),
+    ]:
+        v = getattr(args, flag)
+        if v is not None:
+            setattr(data, attr, v)
+    model = ModelConfig(attention=args.attention)
+    if gpu:
+        model.embedding_dim, model.num_heads = 128, 4
+    for flag in ("embedding_dim", "num_layers", "num_heads"):
+        v = getattr(args, flag)
+        if v is not None:
+            setattr(model, flag, v)
+    sparse = SparseOptimConfig(kind=args.sparse_optim)
+    if args.sparse_lr is not None:
+        sparse.lr = args.sparse_lr
+    cfg = TrainConfig(
+        data=data, model=model, sparse_optim=sparse, steps=args.steps, seed=args.seed,
+        device=args.device, log_path=args.log, progress=not args.no_progress,
+    )
+    if args.dense_lr is not None:
+        cfg.dense_lr = args.dense_lr
+    cfg.eval_every = args.eval_every if args.eval_every is not None else max(args.steps // 2, 1)
+    DataConfig.__post_init__(data)
+    return cfg
+
+
+def _cfg_from_dict(d: dict[str, Any]) -> TrainConfig:
+    from .config import TableConfig
+
+    d = dict(d)
+    data = DataConfig(**d.pop("data"))
+    model = ModelConfig(**d.pop("model"))
+    sparse = SparseOptimConfig(**d.pop("sparse_optim"))
+    tables = d.pop("tables")
+    tables = [TableConfig(**t) for t in tables] if tables else None
+    return TrainConfig(data=data, model=model, sparse_optim=sparse, tables=tables, **d)
+
+
+def run_rank(cfg_dict: dict[str, Any], summary_path: str | None, timeout: float) -> dict:
+    """Entry point of one rank (module level so the launcher can pickle it)."""
+    import torch.distributed as dist
+
+    from .pipeline.distributed import init_distributed
+    from .pipeline.trainer import Trainer
+
+    cfg = _cfg_from_dict(cfg_dict)
+    ctx = init_distributed(cfg.device, timeout_s=timeout)
+    try:
+        trainer = Trainer(cfg, ctx=ctx)
+        summary = trainer.train()
+        trainer.close()
+        if ctx.rank == 0:
+            _print_summary(summary)
+            if summary_path:
+                with open(summary_path, "w") as f:
+                    json.dump({"summary": summary, "config": cfg_dict}, f, indent=2, default=float)
+        return summary
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print("\n=== FreeScale summary ===")
+    print(f"ranks {s['world_size']} ({s['backend']}, {s['device']}), steps {s['steps']}")
+    print(f"QPS (samples/s, after warm-up): {s['qps']:.1f}")
+    if "eval_ne" in s:
+        print(
+            f"eval NE {s['eval_ne']:.4f}   oracle NE {s['oracle_ne']:.4f}   "
+            f"gap closed {s.get('ne_gap_closed', float('nan')):.1%}   AUC {s['eval_auc']:.4f}"
+        )
+    print(f"straggler share (median over steps): {s['straggler_share_median']:.3f}")
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items())
+    print(f"stage ms (rank 0, mean): {stages}")
+    sys.stdout.flush()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.nproc is None:
+        args.nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun else (
+            torch.cuda.device_count() if gpu else 2
+        )
+    cfg = build_train_config(args, gpu)
+    cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if in_torchrun or args.nproc == 1:
+        run_rank(cfg_dict, args.summary, args.timeout)
+        return 0
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        run_id=f"freescale-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    print(f"freescale train: launching {args.nproc} local ranks "
+          f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})", flush=True)
+    elastic_launch(lc, entrypoint=run_rank)(cfg_dict, args.summary, args.timeout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="freescale", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_train = sub.add_parser("train", help="train the reference model (default: synthetic)")
+    _add_train_flags(p_train)
+    p_sim = sub.add_parser("simulate", help="straggler simulator (see balance/README.md)",
+                           add_help=False)
+    p_sim.add_argument("rest", nargs=argparse.REMAINDER)
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "train":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return cmd_train(args)
+    if args.cmd == "simulate":
+        from .balance.simulator import simulate_main
+
+        return simulate_main(list(args.rest) + rest)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

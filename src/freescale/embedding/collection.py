@@ -1,0 +1,332 @@
+"""Row-wise sharded embedding collection with the vanilla (synchronous) schedule.
+
+Owns: the row-wise sharding plan (TorchRec's: block = ceil(rows / W), rank r owns rows
+``[r*block, min((r+1)*block, rows))``), the shard's weights and fused optimizer state,
+and the vanilla exchange of DESIGN.md section 1:
+
+  forward   id dist (counts all-to-all, ids all-to-all) -> lookup at the owner in
+            shard-major order -> embedding all-to-all -> batch-major, per feature
+  backward  gradient all-to-all to the owners -> per-row sum in the fixed order of
+            embedding/reduce.py -> fused sparse optimizer (embedding/optim.py)
+
+Output is unpooled (sequence) embeddings like TorchRec's ``EmbeddingCollection``:
+feature ``f`` with ``N_f`` ids gives an ``[N_f, D]`` tensor. Several features may share a
+table; rows are keyed by (table, row), never by feature. All tables of one collection
+have the same embedding dim (one exchange per step, as TorchRec groups them).
+
+The embedding weights are not ``nn.Parameter``s: their update is fused into backward,
+so no dense optimizer or DDP may see them. The step index and learning rate of an
+update are captured when the forward runs (tier 1 condition (iii)).
+
+It may not touch the dense model, and never reads data other than the ids given to it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from ..config import SparseOptimConfig, TableConfig
+from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
+from .optim import FusedSparseOptimizer
+from .reduce import group_rows, segment_sum
+
+__all__ = ["RowWisePlan", "ShardedEmbeddingCollection", "ExchangeStats", "init_table_rows"]
+
+_INIT_CHUNK = 4096
+
+
+def init_table_rows(
+    table: TableConfig, table_index: int, start: int, stop: int, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Initial values of rows ``start..stop-1``: a function of (seed, table, row) only, so
+    any sharding or world size starts from the same table."""
+    d = table.embedding_dim
+    out = torch.empty(max(stop - start, 0), d, dtype=dtype)
+    if stop <= start:
+        return out
+    first, last = start // _INIT_CHUNK, (stop - 1) // _INIT_CHUNK
+    for c in range(first, last + 1):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + table_index * 7919 + c) % 2**63)
+        chunk = torch.randn(_INIT_CHUNK, d, generator=g, dtype=torch.float64) * table.init_std
+        lo, hi = max(start, c * _INIT_CHUNK), min(stop, (c + 1) * _INIT_CHUNK)
+        out[lo - start : hi - start] = chunk[lo - c * _INIT_CHUNK : hi - c * _INIT_CHUNK].to(dtype)
+    return out
+
+
+@dataclass
+class RowWisePlan:
+    """Which rows of which table live on which rank, and where in the shard tensor."""
+
+    tables: list[TableConfig]
+    world_size: int
+    rank: int
+    features: list[str] = field(init=False)
+    feature_table: list[int] = field(init=False)
+    block: list[int] = field(init=False)
+    local_rows: list[int] = field(init=False)
+    local_offset: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        dims = {t.embedding_dim for t in self.tables}
+        if len(dims) != 1:
+            raise ValueError(
+                "all tables of one ShardedEmbeddingCollection must share an embedding dim, got "
+                + ", ".join(f"{t.name}={t.embedding_dim}" for t in self.tables)
+            )
+        names = [t.name for t in self.tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names: {names}")
+        self.features, self.feature_table = [], []
+        for ti, t in enumerate(self.tables):
+            for f in t.feature_names:
+                if f in self.features:
+                    raise ValueError(f"feature '{f}' is mapped to two tables")
+                self.features.append(f)
+                self.feature_table.append(ti)
+        self.block, self.local_rows, self.local_offset = [], [], []
+        off = 0
+        for t in self.tables:
+            b = math.ceil(t.num_embeddings / self.world_size)
+            n = max(0, min(b, t.num_embeddings - self.rank * b))
+            self.block.append(b)
+            self.local_rows.append(n)
+            self.local_offset.append(off)
+            off += n
+        self.total_local_rows = off
+
+    @property
+    def dim(self) -> int:
+        return self.tables[0].embedding_dim
+
+    def row_range(self, table_index: int, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        t = self.tables[table_index]
+        b = self.block[table_index]
+        return min(r * b, t.num_embeddings), min((r + 1) * b, t.num_embeddings)
+
+
+@dataclass
+class ExchangeStats:
+    """Counters and wall times of the exchange (seconds; synchronised when timing)."""
+
+    steps: int = 0
+    ids_sent: int = 0
+    ids_received: int = 0
+    emb_bytes_sent: int = 0
+    grad_bytes_sent: int = 0
+    rows_updated: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.times[key] = self.times.get(key, 0.0) + seconds
+
+
+@dataclass
+class _IdDist:
+    """Result of the id dist of one forward, kept for the backward."""
+
+    lengths: dict[str, torch.Tensor]
+    feature_sizes: list[int]
+    unbucketize: torch.Tensor  # position in the send buffer of each batch-major id
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_keys: torch.Tensor  # shard-tensor row of every received id
+    step: int
+    lr: float | None
+
+
+class _VanillaExchange(torch.autograd.Function):
+    """Lookup + embedding all-to-all forward; gradient all-to-all + fused update backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, dist_state):  # type: ignore[override]
+        ctx.module = module
+        ctx.dist_state = dist_state
+        return module._lookup_exchange(dist_state)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.module._grad_exchange_and_update(ctx.dist_state, grad)
+        ctx.dist_state = None
+        return None, None, None
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Row-wise sharded, unpooled embedding collection with a fused sparse optimizer.
+
+    ``forward({feature: (values, lengths)})`` returns ``{feature: [N_f, D]}`` for the
+    local batch. Every configured feature must be given (possibly empty). Call
+    :meth:`set_step` before each training forward so updates use that step's index and
+    learning rate.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        comm: Communicator,
+        optim: SparseOptimConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        timing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.comm = comm
+        self.plan = RowWisePlan(list(tables), comm.world_size, comm.rank)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.optim_cfg = optim
+        self.timing = timing
+        shards = [
+            init_table_rows(t, ti, *self.plan.row_range(ti), seed=seed, dtype=dtype)
+            for ti, t in enumerate(self.plan.tables)
+        ]
+        weight = torch.cat(shards) if shards else torch.empty(0, self.plan.dim, dtype=dtype)
+        self.register_buffer("weight", weight.to(self.device), persistent=True)
+        self.optimizer = FusedSparseOptimizer(optim, self.weight)
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._feature_table = torch.tensor(self.plan.feature_table, dtype=torch.int64)
+        self._block_sizes = torch.tensor(
+            [self.plan.block[t] for t in self.plan.feature_table], dtype=torch.int64
+        )
+        self._table_offsets = torch.tensor(self.plan.local_offset, dtype=torch.int64)
+        self.stats = ExchangeStats()
+        self._step = 1
+        self._lr: float | None = None
+
+    # ------------------------------------------------------------------ api
+    @property
+    def features(self) -> list[str]:
+        return list(self.plan.features)
+
+    def set_step(self, step: int, lr: float | None = None) -> None:
+        """1-based index of the training step about to run, and its sparse lr."""
+        self._step = int(step)
+        self._lr = lr
+
+    def forward(
+        self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        missing = [f for f in self.plan.features if f not in features]
+        if missing:
+            raise KeyError(f"ShardedEmbeddingCollection: missing features {missing}")
+        state = self.input_dist(features)
+        anchor = self._anchor
+        if torch.is_grad_enabled() and self.training:
+            flat = _VanillaExchange.apply(anchor, self, state)
+        else:
+            flat = self._lookup_exchange(state)
+        return dict(zip(self.plan.features, torch.split(flat, state.feature_sizes)))
+
+    # ------------------------------------------------------------- id dist
+    def _sync(self) -> None:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _tic(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def _toc(self, key: str, t0: float) -> None:
+        self._sync()
+        self.stats.add_time(key, time.perf_counter() - t0)
+
+    def input_dist(self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> _IdDist:
+        """Bucket ids by owner rank, exchange counts then ids (blocking)."""
+        t0 = self._tic()
+        plan, w = self.plan, self.comm.world_size
+        values = [features[f][0].to(self.device, torch.int64) for f in plan.features]
+        lengths = {f: features[f][1] for f in plan.features}
+        sizes = [int(v.numel()) for v in values]
+        cat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        # one segment per feature: lengths [K] in key-major order, batch of one
+        seg_lengths = torch.tensor(sizes, dtype=torch.int64, device=self.device)
+        res = ranged_dispatch(cat, seg_lengths, self._block_sizes.to(self.device), w)
+        key_counts = res.key_counts.to(torch.int64)  # [W, K]
+        recv_counts = self.comm.exchange_counts(key_counts.cpu(), name="id_counts")  # [W, K]
+        send_splits = res.splits.cpu().tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        recv = self.comm.all_to_all_v(res.values, send_splits, recv_splits, name="ids").wait()
+        # shard-tensor row of each received id: local row + offset of its table
+        feat_of = torch.repeat_interleave(
+            torch.arange(len(plan.features)).repeat(w), recv_counts.reshape(-1)
+        ).to(self.device)
+        recv_keys = recv + self._table_offsets.to(self.device)[self._feature_table.to(self.device)[feat_of]]
+        self.stats.ids_sent += int(cat.numel()) - int(send_splits[self.comm.rank])
+        self.stats.ids_received += int(recv.numel())
+        self._toc("id_dist", t0)
+        return _IdDist(
+            lengths=lengths,
+            feature_sizes=sizes,
+            unbucketize=res.unbucketize_permute,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            recv_keys=recv_keys,
+            step=self._step,
+            lr=self._lr,
+        )
+
+    # -------------------------------------------------------- lookup + a2a
+    def _lookup_exchange(self, st: _IdDist) -> torch.Tensor:
+        t0 = self._tic()
+        rows = self.weight.index_select(0, st.recv_keys)
+        self._toc("lookup", t0)
+        t0 = self._tic()
+        back = self.comm.all_to_all_v(rows, st.recv_splits, st.send_splits, name="embeddings")
+        out = back.wait()
+        self._toc("emb_a2a", t0)
+        self.stats.emb_bytes_sent += (sum(st.recv_splits) - st.recv_splits[self.comm.rank]) * (
+            self.plan.dim * rows.element_size()
+        )
+        return ranged_combine(out, st.unbucketize)
+
+    def _grad_exchange_and_update(self, st: _IdDist, grad: torch.Tensor) -> None:
+        t0 = self._tic()
+        grad = grad.contiguous().to(self.dtype)
+        send = ranged_combine_backward(grad, st.unbucketize)
+        recv = self.comm.all_to_all_v(send, st.send_splits, st.recv_splits, name="grads").wait()
+        self._toc("grad_a2a", t0)
+        self.stats.grad_bytes_sent += (sum(st.send_splits) - st.send_splits[self.comm.rank]) * (
+            self.plan.dim * grad.element_size()
+        )
+        t0 = self._tic()
+        self.apply_gradients(st.recv_keys, recv, st.step, st.lr)
+        self._toc("sparse_update", t0)
+        self.stats.steps += 1
+
+    def apply_gradients(
+        self, keys: torch.Tensor, grads: torch.Tensor, step: int, lr: float | None
+    ) -> int:
+        """Owner side: sum ``grads`` per shard row ``keys`` in the fixed order and apply the
+        fused optimizer with step index ``step``. Returns the number of rows updated."""
+        groups = group_rows(keys)
+        summed = segment_sum(grads, groups)
+        self.optimizer.step(groups.rows, summed, step=step, lr=lr)
+        self.stats.rows_updated += int(groups.rows.numel())
+        return int(groups.rows.numel())
+
+    # ------------------------------------------------------------- state
+    def shard_tables(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """This rank's rows of each table: ``{name: (first global row, [rows, D])}``."""
+        out = {}
+        for ti, t in enumerate(self.plan.tables):
+            lo, _ = self.plan.row_range(ti)
+            off, n = self.plan.local_offset[ti], self.plan.local_rows[ti]
+            out[t.name] = (lo, self.weight[off : off + n])
+        return out
+
+    def shard_optimizer_state(self) -> dict[str, dict[str, tuple[int, torch.Tensor]]]:
+        """Optimizer state rows per table, in the layout of :meth:`shard_tables`."""
+        out: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
+        for ti, t in enumerate(self.plan.tables):
+            lo, _ = self.plan.row_range(ti)
+            off, n = self.plan.local_offset[ti], self.plan.local_rows[ti]
+            out[t.name] = {k: (lo, v[off : off + n]) for k, v in self.optimizer.state.items()}
+        return out

@@ -1,0 +1,68 @@
+"""Deterministic per-row gradient sums (DESIGN.md section 1, tier 1 condition (i)).
+
+Owns the one reduction order every FreeScale path uses to sum the gradients of a row
+at its owner: ids are stably sorted by row key (received buffers are already in
+source-rank-major, then position order, so ties keep (source rank, position) order);
+each row's gradients are then summed by a pairwise tree over their index inside the
+row's segment. The result for a row depends only on that row's gradients and their
+order: not on which other rows are in the call, how many there are, or the device.
+No atomics and no ``index_add_`` on floats.
+
+The tree runs as ``ceil(log2(max segment length))`` rounds of whole-tensor
+``torch.where`` (no data-dependent shapes, no host synchronisation beyond reading the
+maximum segment length once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RowGroups", "group_rows", "segment_sum"]
+
+
+@dataclass
+class RowGroups:
+    """Result of grouping ids by row: ``order`` sorts the ids, ``rows`` are the unique
+    keys (ascending), ``starts``/``counts`` their segments in sorted order."""
+
+    order: torch.Tensor
+    rows: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    max_count: int
+
+
+def group_rows(keys: torch.Tensor) -> RowGroups:
+    """Stable-sort ``keys`` and find each unique key's segment."""
+    keys = keys.to(torch.int64)
+    if keys.numel() == 0:
+        e = keys.new_zeros(0)
+        return RowGroups(e, e, e, e, 0)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    return RowGroups(order, rows, starts, counts, int(counts.max()))
+
+
+def segment_sum(values: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    """Per-row sums of ``values`` (``[N, D]``, in the *unsorted* id order) -> ``[U, D]``,
+    rows in ``groups.rows`` order, by the fixed pairwise tree described above."""
+    if groups.rows.numel() == 0:
+        return values.new_zeros((0, *values.shape[1:]))
+    buf = values.index_select(0, groups.order)
+    n = buf.shape[0]
+    seg = torch.repeat_interleave(
+        torch.arange(groups.rows.numel(), device=buf.device), groups.counts, output_size=n
+    )
+    local = torch.arange(n, device=buf.device) - groups.starts[seg]
+    count_of = groups.counts[seg]
+    stride = 1
+    while stride < groups.max_count:
+        take = ((local % (2 * stride)) == 0) & (local + stride < count_of)
+        shifted = torch.cat([buf[stride:], buf[:stride]]) if stride < n else buf
+        mask = take.view(-1, *([1] * (buf.dim() - 1)))
+        buf = torch.where(mask, buf + shifted, buf)
+        stride *= 2
+    return buf.index_select(0, groups.starts)

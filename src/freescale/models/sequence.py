@@ -1,0 +1,226 @@
+"""Reference sequence recommendation model (SASRec/HSTU-style), replicated with DDP.
+
+Owns the dense network: token = sum of the UIH keys' embeddings + a learned position
+embedding counted from the most recent interaction; ``num_layers`` pre-norm causal
+self-attention blocks over each sample's own history (jagged: samples never attend to
+each other, nothing is padded to a global maximum); the user state is the output at a
+sample's last position; each candidate is scored by an MLP over
+``[user, candidate, user * candidate]``. The loss (models/loss.py) is a sum of
+per-candidate terms, so moving samples between ranks does not change it.
+
+Attention backends with identical semantics (tests compare them):
+* ``reference``: pad to the *local* maximum length and run masked SDPA (CPU default);
+* ``flex``: compiled ``flex_attention`` over the concatenated tokens with a
+  document-causal block mask, token count bucketed so it does not recompile every step
+  (CUDA default).
+
+No randomness (no dropout), no batch statistics: DESIGN.md section 1 tier 2.
+It may not touch embeddings or communication; it sees embedded tensors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+__all__ = ["SequenceRecModel", "jagged_attention", "bucket_length"]
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
+    return out
+
+
+def bucket_length(n: int, quantum: int = 256) -> int:
+    """Round ``n`` up to a coarse geometric bucket (multiples of ``quantum``, <= ~12.5%
+    waste) so compiled kernels see few distinct shapes."""
+    n = max(n, 1)
+    q = quantum
+    while q * 16 < n:
+        q *= 2
+    return ((n + q - 1) // q) * q
+
+
+def _attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, chunk: int = 8
+) -> torch.Tensor:
+    """q, k, v: [T, H, dh] jagged by ``lengths`` -> [T, H, dh]; causal within samples.
+
+    Samples are processed in groups of ``chunk`` of similar length (sorted by length,
+    ties by index), each padded to its own maximum: a sample's result does not depend on
+    which group it is in beyond floating-point noise of the padded GEMM shapes."""
+    b = lengths.numel()
+    t, h, dh = q.shape
+    out = q.new_zeros(q.shape)
+    if t == 0 or b == 0:
+        return out
+    lengths = lengths.to(torch.int64)
+    offs = _offsets(lengths)
+    order = torch.sort(lengths, stable=True).indices
+    lens_sorted = lengths[order].tolist()
+    for c0 in range(0, b, chunk):
+        idx = order[c0 : c0 + chunk]
+        lens = lengths[idx]
+        lmax = int(lens_sorted[min(c0 + chunk, b) - 1])
+        if lmax == 0:
+            continue
+        n = int(lens.sum())
+        seg = torch.repeat_interleave(torch.arange(idx.numel(), device=q.device), lens, output_size=n)
+        starts = torch.repeat_interleave(offs[:-1][idx], lens, output_size=n)
+        first = torch.repeat_interleave(_offsets(lens)[:-1], lens, output_size=n)
+        pos = torch.arange(n, device=q.device) - first
+        src = starts + pos
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            o = x.new_zeros(idx.numel(), lmax, h, dh)
+            o[seg, pos] = x[src]
+            return o.transpose(1, 2)  # [b, H, L, dh]
+
+        ar = torch.arange(lmax, device=q.device)
+        valid = ar.unsqueeze(0) < lens.unsqueeze(1)  # [b, L]
+        mask = (ar.unsqueeze(1) >= ar.unsqueeze(0)).unsqueeze(0) & valid.unsqueeze(1)
+        mask = mask | ~valid.unsqueeze(2)  # padded queries attend to anything (discarded)
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask.unsqueeze(1))
+        out[src] = o.transpose(1, 2)[seg, pos]
+    return out
+
+
+_FLEX_CACHE: dict[str, object] = {}
+
+
+def _attention_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX_CACHE:
+        _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
+    fn = _FLEX_CACHE["fn"]
+    t, h, dh = q.shape
+    if t == 0:
+        return q.new_zeros(q.shape)
+    tp = bucket_length(t)
+    b = lengths.numel()
+    doc = torch.full((tp,), -1, dtype=torch.int32, device=q.device)
+    doc[:t] = torch.repeat_interleave(
+        torch.arange(b, device=q.device, dtype=torch.int32), lengths, output_size=t
+    )
+
+    def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    block_mask = create_block_mask(mask_mod, None, None, tp, tp, device=q.device)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(tp, h, dh)
+        out[:t] = x
+        return out.transpose(0, 1).unsqueeze(0)  # [1, H, Tp, dh]
+
+    o = fn(pad(q), pad(k), pad(v), block_mask=block_mask)
+    return o[0].transpose(0, 1)[:t]
+
+
+def jagged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """Causal self-attention within each jagged sample. ``backend``: reference | flex."""
+    if backend == "flex":
+        return _attention_flex(q, k, v, lengths)
+    if backend in ("reference", "sdpa"):
+        return _attention_reference(q, k, v, lengths)
+    raise ValueError(f"unknown attention backend '{backend}' (reference, sdpa, flex)")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int, ffn_mult: int) -> None:
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"embedding_dim {d} is not divisible by num_heads {heads}")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d)
+        self.ffn = nn.Sequential(nn.Linear(d, ffn_mult * d), nn.GELU(), nn.Linear(ffn_mult * d, d))
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, backend: str) -> torch.Tensor:
+        t, d = x.shape
+        qkv = self.qkv(self.norm1(x)).view(t, 3, self.heads, d // self.heads)
+        a = jagged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, backend)
+        x = x + self.proj(a.reshape(t, d))
+        return x + self.ffn(self.norm2(x))
+
+
+class SequenceRecModel(nn.Module):
+    """Dense part of the reference model. ``forward`` takes embedded jagged inputs and
+    returns one logit per candidate."""
+
+    def __init__(self, cfg: ModelConfig, uih_keys: Sequence[str], dim: int | None = None):
+        super().__init__()
+        d = dim or cfg.embedding_dim
+        self.cfg = cfg
+        self.uih_keys = list(uih_keys)
+        self.pos = nn.Embedding(cfg.max_positions, d)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = nn.ModuleList(
+            [_Block(d, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers)]
+        )
+        self.norm = nn.LayerNorm(d)
+        self.score = nn.Sequential(nn.Linear(3 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, 1))
+
+    def attention_backend(self, device: torch.device) -> str:
+        b = self.cfg.attention
+        if b == "auto":
+            return "flex" if device.type == "cuda" else "reference"
+        return b
+
+    def forward(
+        self,
+        uih: Mapping[str, torch.Tensor],
+        lengths: torch.Tensor,
+        candidates: torch.Tensor,
+        num_candidates: torch.Tensor,
+    ) -> torch.Tensor:
+        x = None
+        for k in self.uih_keys:
+            x = uih[k] if x is None else x + uih[k]
+        assert x is not None
+        t = x.shape[0]
+        b = lengths.numel()
+        lengths = lengths.to(torch.int64)
+        offs = _offsets(lengths)
+        seg = torch.repeat_interleave(torch.arange(b, device=x.device), lengths, output_size=t)
+        # position from the end: the most recent interaction is 0
+        rev = offs[1:][seg] - 1 - torch.arange(t, device=x.device)
+        x = x + self.pos(rev.clamp(max=self.cfg.max_positions - 1))
+        backend = self.attention_backend(x.device)
+        for blk in self.blocks:
+            x = blk(x, lengths, backend)
+        x = self.norm(x)
+        # user state = last position of each sample (zeros for an empty history)
+        last = (offs[1:] - 1).clamp(min=0)
+        user = x[last] if t > 0 else x.new_zeros(b, x.shape[1])
+        user = torch.where((lengths > 0).unsqueeze(1), user, torch.zeros_like(user))
+        cand_seg = torch.repeat_interleave(
+            torch.arange(b, device=x.device), num_candidates.to(torch.int64),
+            output_size=candidates.shape[0],
+        )
+        u = user[cand_seg]
+        feats = torch.cat([u, candidates, u * candidates], dim=1)
+        logits = self.score(feats).squeeze(1)
+        if t == 0:  # keep every parameter in the graph for DDP (empty local batch)
+            logits = logits + 0.0 * sum(p.sum() for p in self.parameters())
+        return logits
+
+
+def sum_bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over candidates of binary cross-entropy with logits (no mean: callers divide
+    by the *global* candidate count, DESIGN.md section 1)."""
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+

@@ -1,0 +1,468 @@
+"""The staged training loop (vanilla schedule) with explicit hook points.
+
+Owns one rank's training run: building the sharded embeddings, the DDP-replicated
+dense model and its optimizer from a :class:`~freescale.config.TrainConfig`; the five
+stages of a step (data, forward, backward, optimizer, metrics) with a hook before /
+after each; per-stage timing; the progress bar, the JSON-lines log, periodic
+evaluation and the final summary. Later techniques (balancing, prioritized updates,
+SM-free communication) plug into the hooks or replace the embedding module; this loop
+never traces the user's model.
+
+Numerics (DESIGN.md section 1): the loss is the sum of per-candidate BCE terms divided
+by the *global* candidate count of the step, times W because DDP averages gradients;
+so neither the world size nor the placement of samples changes what is optimised.
+
+Bad input is rejected at the data stage on the rank that loaded it; before any id
+reaches an owner, every rank learns of it through one small all-reduce and raises, so
+no collective hangs and no update is half applied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..comm.base import Communicator
+from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tables
+from ..data.batch import JaggedBatch
+from ..data.validate import BadInputError, validate_batch
+from ..embedding.collection import ShardedEmbeddingCollection
+from ..metrics.auc import AUCAccumulator
+from ..metrics.ne import NEAccumulator
+from ..models.sequence import SequenceRecModel, sum_bce_loss
+from .distributed import RankContext, check_config_hash, init_distributed
+
+__all__ = ["Trainer", "TrainerHook", "make_source", "StageTimes", "InputRejected"]
+
+STAGES = ("data", "forward", "backward", "optimizer", "metrics")
+
+
+class InputRejected(BadInputError):
+    """Some rank rejected its input for this step; raised on every rank."""
+
+
+class TrainerHook:
+    """Base class of stage hooks; override what you need. ``on_batch`` may replace the
+    local batch (e.g. the load balancer); the others observe."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+    def on_batch(self, trainer: Trainer, step: int, batch: JaggedBatch) -> JaggedBatch:
+        return batch
+
+    def after_forward(self, trainer: Trainer, step: int, loss: torch.Tensor) -> None: ...
+    def after_backward(self, trainer: Trainer, step: int) -> None: ...
+    def after_optimizer(self, trainer: Trainer, step: int) -> None: ...
+    def on_metrics(self, trainer: Trainer, step: int, record: dict[str, Any]) -> None: ...
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None: ...
+
+
+def make_source(cfg: TrainConfig):
+    """The data source named by ``cfg.data.source``."""
+    if cfg.data.source == "synthetic":
+        from ..data.synthetic import SyntheticSource
+
+        return SyntheticSource(cfg.data)
+    if cfg.data.source == "movielens":
+        from ..data.movielens import MovieLensSource
+
+        if not cfg.data.path:
+            raise ValueError("data.source='movielens' needs data.path (a MovieLens-format file)")
+        return MovieLensSource(cfg.data)
+    raise ValueError(f"unknown data source '{cfg.data.source}'")
+
+
+@dataclass
+class StageTimes:
+    """Seconds per stage of one step on this rank (synchronised on CUDA)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, seconds: float) -> None:
+        self.values[key] = self.values.get(key, 0.0) + seconds
+
+
+class Trainer:
+    """One rank of a FreeScale training run. ``train()`` returns the summary on every
+    rank (identical except for rank-local timings)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        hooks: Sequence[TrainerHook] = (),
+        ctx: RankContext | None = None,
+        source: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx or init_distributed(cfg.device)
+        self.device = self.ctx.device
+        self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
+        self.hooks = list(hooks)
+        self.config_hash = check_config_hash(cfg, self.ctx)
+        self.dtype = torch.float64 if cfg.model.dtype == "float64" else torch.float32
+        self.source = source if source is not None else make_source(cfg)
+        self.uih_keys = list(self.source.uih_keys)
+        self.tables = cfg.tables or default_tables(cfg.data, cfg.model, self.uih_keys)
+        _fit_table_sizes(self.tables, self.source)
+        self.feature_rows = {
+            f: t.num_embeddings for t in self.tables for f in t.feature_names
+        }
+        # separate groups: embedding exchange, metadata; DDP keeps the default group
+        if self.world_size > 1:
+            self.emb_comm = Communicator(dist.new_group(), name="embedding")
+            self.meta_comm = Communicator(dist.new_group(), name="meta")
+        else:
+            self.emb_comm = Communicator(None, name="embedding")
+            self.meta_comm = Communicator(None, name="meta")
+        self.sparse = ShardedEmbeddingCollection(
+            self.tables,
+            self.emb_comm,
+            cfg.sparse_optim,
+            device=self.device,
+            dtype=self.dtype,
+            seed=cfg.seed,
+            timing=True,
+        )
+        torch.manual_seed(cfg.seed)
+        self.dense = SequenceRecModel(cfg.model, self.uih_keys, self.sparse.plan.dim).to(
+            self.device, self.dtype
+        )
+        if self.world_size > 1:
+            self.dense_ddp: nn.Module = DDP(
+                self.dense,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            )
+        else:
+            self.dense_ddp = self.dense
+        self.optimizer = torch.optim.Adam(self.dense.parameters(), lr=cfg.dense_lr)
+        self.step = 0  # steps completed
+        self.history: list[dict[str, Any]] = []
+        self.eval_history: list[dict[str, Any]] = []
+        self._log_file = None
+        if cfg.log_path and self.rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.log_path)), exist_ok=True)
+            self._log_file = open(cfg.log_path, "a")  # noqa: SIM115
+
+    # ------------------------------------------------------------- helpers
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _now(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self._log_file is not None:
+            self._log_file.write(json.dumps(record, default=float) + "\n")
+            self._log_file.flush()
+
+    def local_batch(self, step: int, split: str = "train") -> JaggedBatch:
+        return self.source.local_batch(step, self.rank, self.world_size, split=split)
+
+    def load_batch(self, step: int, split: str = "train") -> JaggedBatch:
+        """Load and validate this rank's batch of ``step``; agree with every rank that
+        all inputs are valid (raises on every rank otherwise) and learn the global
+        candidate count. Returns the batch on the training device."""
+        err: Exception | None = None
+        batch: JaggedBatch | None = None
+        try:
+            batch = validate_batch(
+                self.local_batch(step, split),
+                self.feature_rows,
+                max_uih=self.cfg.data.max_uih,
+                rank=self.rank,
+            )
+        except BadInputError as e:
+            err = e
+        batch = self.agree_on_input(batch, err, step)
+        return batch.to(self.device)
+
+    def agree_on_input(
+        self, batch: JaggedBatch | None, err: Exception | None, step: int
+    ) -> JaggedBatch:
+        """One all-reduce: [candidates, bad flag per rank]. Every rank raises if any
+        rank's input was rejected; otherwise sets ``batch.extras['global_candidates']``."""
+        w = self.world_size
+        vec = torch.zeros(1 + w, dtype=torch.float64)
+        if err is None and batch is not None:
+            vec[0] = float(batch.num_candidates.sum())
+        else:
+            vec[1 + self.rank] = 1.0
+        if w > 1:
+            vec = self.meta_comm.all_reduce(vec.to(self.meta_comm.device), name="input_ok").wait()
+            vec = vec.cpu()
+        bad = [r for r in range(w) if vec[1 + r] > 0]
+        if err is not None:
+            raise err
+        if bad:
+            raise InputRejected(
+                f"rank {self.rank}: step {step} stopped before any id exchange because rank(s) "
+                f"{bad} rejected their input (see the error on those ranks); no update applied"
+            )
+        assert batch is not None
+        batch.extras["global_candidates"] = float(vec[0])
+        return batch
+
+    def features_of(self, batch: JaggedBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        feats = {k: (batch.uih[k], batch.uih_lengths[k]) for k in self.uih_keys}
+        feats[CANDIDATE_FEATURE] = (batch.candidates, batch.num_candidates)
+        return {f: feats[f] for f in self.sparse.features}
+
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        """Logits for every candidate of the local batch."""
+        emb = self.sparse(self.features_of(batch))
+        lengths = batch.uih_lengths[self.uih_keys[0]]
+        return self.dense_ddp(
+            {k: emb[k] for k in self.uih_keys}, lengths, emb[CANDIDATE_FEATURE],
+            batch.num_candidates,
+        )
+
+    def dense_lr(self, step: int) -> float:
+        return self.cfg.dense_lr
+
+    def sparse_lr(self, step: int) -> float:
+        return self.cfg.sparse_optim.lr
+
+    # --------------------------------------------------------------- step
+    def train_step(self, batch: JaggedBatch) -> dict[str, Any]:
+        """Forward, backward, optimizer for one (validated) local batch."""
+        t = self.step + 1
+        times = StageTimes()
+        self.sparse.stats.times.clear()
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.dense_lr(t)
+        self.sparse.set_step(t, self.sparse_lr(t))
+        self.dense_ddp.train()
+        self.sparse.train()
+
+        t0 = self._now()
+        logits = self.forward(batch)
+        gc = batch.extras["global_candidates"]
+        loss_sum = sum_bce_loss(logits, batch.labels)
+        loss = loss_sum * (self.world_size / max(gc, 1.0))
+        times.add("forward", self._now() - t0)
+        for h in self.hooks:
+            h.after_forward(self, t, loss)
+
+        t0 = self._now()
+        loss.backward()
+        times.add("backward", self._now() - t0)
+        for h in self.hooks:
+            h.after_backward(self, t)
+
+        t0 = self._now()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        times.add("optimizer", self._now() - t0)
+        for h in self.hooks:
+            h.after_optimizer(self, t)
+        self.step = t
+
+        st = self.sparse.stats.times
+        times.values.update({f"emb.{k}": v for k, v in st.items()})
+        fwd_sparse = st.get("id_dist", 0) + st.get("lookup", 0) + st.get("emb_a2a", 0)
+        bwd_sparse = st.get("grad_a2a", 0) + st.get("sparse_update", 0)
+        times.add("dense", times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse)
+        return {
+            "step": t,
+            "loss_sum": float(loss_sum.detach()),
+            "global_candidates": gc,
+            "samples": batch.batch_size,
+            "tokens": batch.total_tokens(),
+            "times": times.values,
+        }
+
+    # --------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, num_batches: int | None = None) -> dict[str, float]:
+        """NE, AUC, log loss and the oracle NE (true probabilities) on held-out samples."""
+        self.dense_ddp.eval()
+        self.sparse.eval()
+        n = num_batches or self.cfg.eval_batches or max(
+            1, self.cfg.data.eval_samples // self.cfg.data.global_batch_size
+        )
+        ne, ne_oracle, auc = NEAccumulator(), NEAccumulator(), AUCAccumulator()
+        for i in range(n):
+            batch = self.load_batch(i, split="eval")
+            logits = self.dense(
+                *self._dense_inputs(batch)
+            )
+            ne.update(labels=batch.labels, logits=logits)
+            auc.update(logits, batch.labels)
+            if batch.true_probs is not None:
+                ne_oracle.update(labels=batch.labels, probs=batch.true_probs)
+        res = ne.merge(self.meta_comm, "eval.ne").compute()
+        oracle = ne_oracle.merge(self.meta_comm, "eval.oracle").compute()
+        out = {
+            "eval_ne": res.ne,
+            "eval_logloss": res.logloss,
+            "eval_calibration": res.calibration,
+            "eval_auc": auc.compute(self.meta_comm, "eval.auc"),
+            "oracle_ne": oracle.ne,
+            "eval_candidates": res.num_samples,
+        }
+        self.dense_ddp.train()
+        self.sparse.train()
+        return out
+
+    def _dense_inputs(self, batch: JaggedBatch):
+        emb = self.sparse(self.features_of(batch))
+        lengths = batch.uih_lengths[self.uih_keys[0]]
+        return (
+            {k: emb[k] for k in self.uih_keys}, lengths, emb[CANDIDATE_FEATURE],
+            batch.num_candidates,
+        )
+
+    # -------------------------------------------------------------- loop
+    def _gather_times(self, times: dict[str, float]) -> list[dict[str, float]]:
+        keys = sorted(times)
+        vec = torch.tensor([times[k] for k in keys], dtype=torch.float64)
+        if self.world_size == 1:
+            return [dict(zip(keys, vec.tolist()))]
+        out = self.meta_comm.all_gather(vec.to(self.meta_comm.device), name="stage_times").wait()
+        return [dict(zip(keys, o.cpu().tolist())) for o in out]
+
+    def train(self, steps: int | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        steps = cfg.steps if steps is None else steps
+        for h in self.hooks:
+            h.on_train_start(self)
+        show = cfg.progress and self.rank == 0
+        bar = None
+        if show:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=steps, desc="train", file=sys.stdout, dynamic_ncols=True)
+            except ImportError:  # pragma: no cover
+                bar = None
+        stage_sum: dict[str, float] = defaultdict(float)
+        timed_steps = 0
+        samples = 0
+        warmup = min(5, max(steps // 10, 0))
+        ne_window = NEAccumulator()
+        straggler = []
+        t_start = None
+        loss_acc, cand_acc = 0.0, 0.0
+        for _ in range(steps):
+            t = self.step + 1
+            if t == warmup + 1 or t_start is None and warmup == 0:
+                self._sync()
+                t_start = time.perf_counter()
+            t0 = self._now()
+            batch = self.load_batch(t)
+            for h in self.hooks:
+                batch = h.on_batch(self, t, batch)
+            t_data = self._now() - t0
+            rec = self.train_step(batch)
+            rec["times"]["data"] = t_data
+            t0 = self._now()
+            loss_acc += rec["loss_sum"]
+            cand_acc += float(batch.num_candidates.sum())
+            all_times = self._gather_times(rec["times"])
+            dense = [a.get("dense", 0.0) for a in all_times]
+            share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
+            rec["straggler_share"] = share
+            rec["times"]["metrics"] = self._now() - t0
+            if t > warmup:
+                timed_steps += 1
+                samples += cfg.data.global_batch_size
+                straggler.append(share)
+                for k, v in rec["times"].items():
+                    stage_sum[k] += v
+            for h in self.hooks:
+                h.on_metrics(self, t, rec)
+            if t % cfg.log_every == 0 or t == steps:
+                tot = torch.tensor([loss_acc, cand_acc], dtype=torch.float64)
+                if self.world_size > 1:
+                    tot = self.meta_comm.all_reduce(tot.to(self.meta_comm.device), name="loss").wait().cpu()
+                rec["train_logloss"] = float(tot[0] / max(float(tot[1]), 1.0))
+                loss_acc, cand_acc = 0.0, 0.0
+                self.log({"kind": "train", **rec})
+                if bar is not None:
+                    bar.set_postfix(logloss=f"{rec['train_logloss']:.4f}")
+            if cfg.eval_every and t % cfg.eval_every == 0 and t != steps:
+                ev = self.evaluate()
+                ev["step"] = t
+                self.eval_history.append(ev)
+                self.log({"kind": "eval", **ev})
+                if show:
+                    _print(bar, f"step {t}: eval NE {ev['eval_ne']:.4f} (oracle {ev['oracle_ne']:.4f}), AUC {ev['eval_auc']:.4f}")
+            if bar is not None:
+                bar.update(1)
+        self._sync()
+        wall = time.perf_counter() - t_start if t_start is not None else 0.0
+        if bar is not None:
+            bar.close()
+        ev = self.evaluate() if steps > 0 else {}
+        if ev:
+            ev["step"] = self.step
+            self.eval_history.append(ev)
+            self.log({"kind": "eval", **ev})
+        mean_times = {k: v / max(timed_steps, 1) for k, v in stage_sum.items()}
+        emb_bytes = self.sparse.stats.emb_bytes_sent
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "backend": self.ctx.backend,
+            "config_hash": self.config_hash,
+            "qps": samples / wall if wall > 0 else float("nan"),
+            "timed_steps": timed_steps,
+            "stage_ms": {k: 1e3 * v for k, v in sorted(mean_times.items())},
+            "straggler_share_median": _median(straggler),
+            "emb_bytes_sent_per_step": emb_bytes / max(self.sparse.stats.steps, 1),
+            **ev,
+        }
+        if ev and not math.isnan(ev.get("oracle_ne", float("nan"))):
+            gap = 1.0 - ev["oracle_ne"]
+            summary["ne_gap_closed"] = (1.0 - ev["eval_ne"]) / gap if gap > 0 else float("nan")
+        self.log({"kind": "summary", **summary})
+        for h in self.hooks:
+            h.on_train_end(self, summary)
+        return summary
+
+    def close(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _median(xs: Iterable[float]) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def _print(bar: Any, msg: str) -> None:
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)
+
+
+def _fit_table_sizes(tables: list, source: Any) -> None:
+    """Sources with data-defined vocabularies (MovieLens) size the default tables."""
+    sizes = {"item": getattr(source, "num_items", None), "action": getattr(source, "num_actions", None)}
+    for t in tables:
+        n = sizes.get(t.name)
+        if n is not None and n != t.num_embeddings:
+            t.num_embeddings = int(n)
+
+
+def summary_to_json(summary: dict[str, Any], cfg: TrainConfig) -> str:
+    return json.dumps({"summary": summary, "config": config_to_dict(cfg)}, indent=2, default=float)
