@@ -9,8 +9,12 @@ SM-free communication) plug into the hooks or replace the embedding module; this
 never traces the user's model.
 
 Numerics (DESIGN.md section 1): the loss is the sum of per-candidate BCE terms divided
-by the *global* candidate count of the step, times W because DDP averages gradients;
-so neither the world size nor the placement of samples changes what is optimised.
+by the *global* candidate count of the step. Dense gradients are *summed* over ranks
+(a SUM communication hook on DDP instead of its average), and sparse gradients are
+summed at the owners, so both are exactly the gradient of the global loss: neither the
+world size nor the placement of samples changes what is optimised. (Scaling the local
+loss by W under DDP's average would fix the dense side but make every sparse gradient
+W times too large.)
 
 Bad input is rejected at the data stage on the rank that loaded it; before any id
 reaches an owner, every rank learns of it through one small all-reduce and raises, so
@@ -143,6 +147,7 @@ class Trainer:
                 self.dense,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
             )
+            self.dense_ddp.register_comm_hook(None, allreduce_sum_hook)
         else:
             self.dense_ddp = self.dense
         self.optimizer = torch.optim.Adam(self.dense.parameters(), lr=cfg.dense_lr)
@@ -251,7 +256,7 @@ class Trainer:
         logits = self.forward(batch)
         gc = batch.extras["global_candidates"]
         loss_sum = sum_bce_loss(logits, batch.labels)
-        loss = loss_sum * (self.world_size / max(gc, 1.0))
+        loss = loss_sum / max(gc, 1.0)
         times.add("forward", self._now() - t0)
         for h in self.hooks:
             h.after_forward(self, t, loss)
@@ -438,6 +443,13 @@ class Trainer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+
+def allreduce_sum_hook(process_group, bucket):  # noqa: ANN001 - DDP inspects annotations
+    """DDP communication hook: sum gradients over ranks (no division by W)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 def _median(xs: Iterable[float]) -> float:

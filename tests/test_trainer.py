@@ -1,0 +1,191 @@
+"""Trainer: world-size invariance (tier 2), placement invariance with an empty rank,
+bad input rejected on every rank without a hang or a partial update, config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
+from freescale.data.batch import JaggedBatch
+from freescale.data.validate import BadInputError
+from freescale.pipeline.distributed import ConfigMismatchError
+from freescale.pipeline.trainer import InputRejected, Trainer, TrainerHook
+
+# tier-2 tolerance in float64 (DESIGN.md section 1: within 1e-12 in float64; parameters
+# after a few steps of Adam are compared relative to their scale)
+F64_TOL = 1e-10
+
+
+def tiny_config(kind: str = "rowwise_adagrad", dtype: str = "float64", steps: int = 4):
+    return TrainConfig(
+        data=DataConfig(
+            seed=7, global_batch_size=8, num_items=300, num_actions=3, median_uih=6,
+            max_uih=24, num_candidates=3, eval_samples=8,
+        ),
+        model=ModelConfig(embedding_dim=8, num_layers=1, num_heads=2, max_positions=64,
+                          dtype=dtype),
+        sparse_optim=SparseOptimConfig(kind=kind, lr=0.05),
+        steps=steps, eval_every=0, progress=False, device="cpu", dense_lr=1e-2,
+    )
+
+
+def _state(tr: Trainer) -> dict:
+    return {
+        "tables": {n: (lo, t.clone()) for n, (lo, t) in tr.sparse.shard_tables().items()},
+        "dense": {k: v.detach().clone() for k, v in tr.dense.state_dict().items()},
+    }
+
+
+def _full_tables(results: list[dict]) -> dict[str, torch.Tensor]:
+    names = results[0]["tables"].keys()
+    return {n: torch.cat([r["tables"][n][1] for r in results]) for n in names}
+
+
+class _DropSample(TrainerHook):
+    """Mutation: rank 1 silently skips its last sample at step 2."""
+
+    def on_batch(self, trainer, step, batch):
+        if trainer.rank == 1 and step == 2 and batch.batch_size > 0:
+            out = batch.select(torch.arange(batch.batch_size - 1))
+            out.extras = batch.extras
+            return out
+        return batch
+
+
+class _AllOnRankZero(TrainerHook):
+    """A legal placement: rank 0 trains the whole global batch, the others nothing."""
+
+    def on_batch(self, trainer, step, batch):
+        gb = trainer.source.global_batch(step)
+        out = gb if trainer.rank == 0 else JaggedBatch.empty(trainer.uih_keys, step)
+        out.extras = batch.extras
+        return out
+
+
+def train_and_state(rank, world, cfg, hook=None):
+    tr = Trainer(cfg, hooks=[hook] if hook else [])
+    tr.train()
+    return _state(tr)
+
+
+def _compare(a: list[dict], b: list[dict], tol: float) -> float:
+    """Max relative difference of tables and dense params between two runs."""
+    worst = 0.0
+    ta, tb = _full_tables(a), _full_tables(b)
+    for n in ta:
+        worst = max(worst, float((ta[n] - tb[n]).abs().max() / tb[n].abs().max()))
+    for k, v in a[0]["dense"].items():
+        w = b[0]["dense"][k]
+        worst = max(worst, float((v - w).abs().max() / w.abs().max().clamp(min=1e-30)))
+    return worst
+
+
+def test_world_size_invariance_1_2_4(pool1, pool2, pool4):
+    cfg = tiny_config()
+    r1 = pool1.run(train_and_state, cfg)
+    r2 = pool2.run(train_and_state, cfg)
+    r4 = pool4.run(train_and_state, cfg)
+    d12, d14 = _compare(r2, r1, F64_TOL), _compare(r4, r1, F64_TOL)
+    print(f"max rel diff 2 vs 1 ranks {d12:.3g}, 4 vs 1 ranks {d14:.3g}")
+    assert d12 < F64_TOL and d14 < F64_TOL
+    # every rank holds the same dense parameters
+    for r in r4[1:]:
+        for k, v in r["dense"].items():
+            assert torch.equal(v, r4[0]["dense"][k])
+    # the check can fail: one rank skipping one sample is caught
+    bad = pool2.run(train_and_state, cfg, _DropSample())
+    d_bad = _compare(bad, r1, F64_TOL)
+    print(f"max rel diff with a skipped sample {d_bad:.3g}")
+    assert d_bad > 1e3 * F64_TOL
+
+
+def test_empty_rank_and_placement_invariance(pool1, pool2):
+    cfg = tiny_config(kind="adam")
+    r1 = pool1.run(train_and_state, cfg)
+    r2 = pool2.run(train_and_state, cfg, _AllOnRankZero())
+    d = _compare(r2, r1, F64_TOL)
+    print(f"all samples on rank 0 of 2 vs 1 rank: {d:.3g}")
+    assert d < F64_TOL
+
+
+class _CorruptSource:
+    """Wraps a source; rank 1's batch of step 3 gets an out-of-range id."""
+
+    def __init__(self, inner, rank):
+        self.inner, self.rank = inner, rank
+        self.uih_keys = inner.uih_keys
+        self.num_items, self.num_actions = inner.num_items, inner.num_actions
+
+    def global_batch(self, step, split="train"):
+        return self.inner.global_batch(step, split)
+
+    def local_batch(self, step, rank, world, split="train"):
+        b = self.inner.local_batch(step, rank, world, split)
+        if split == "train" and step == 3 and rank == 1:
+            b.uih["uih_item"] = b.uih["uih_item"].clone()
+            b.uih["uih_item"][-1] = self.num_items + 5
+        return b
+
+
+def bad_input_run(rank, world, cfg):
+    from freescale.pipeline.trainer import make_source
+
+    tr = Trainer(cfg, source=_CorruptSource(make_source(cfg), rank))
+    tr.train(steps=2)
+    before = _state(tr)
+    err = None
+    try:
+        tr.train(steps=2)
+    except BadInputError as e:
+        err = (type(e).__name__, str(e))
+    after = _state(tr)
+    same = all(torch.equal(before["tables"][n][1], after["tables"][n][1]) for n in before["tables"])
+    same_dense = all(torch.equal(before["dense"][k], after["dense"][k]) for k in before["dense"])
+    return {"err": err, "unchanged": same and same_dense, "step": tr.step}
+
+
+def test_bad_input_rejected_on_every_rank_without_update(pool2):
+    res = pool2.run(bad_input_run, tiny_config(steps=4))
+    for r in res:
+        assert r["err"] is not None, "every rank must raise"
+        assert r["unchanged"], "no update may be applied for the rejected step"
+        assert r["step"] == 2
+    kind1, msg1 = res[1]["err"]
+    assert kind1 == "BadInputError"
+    assert "rank 1" in msg1 and "uih_item" in msg1 and "sample" in msg1
+    kind0, msg0 = res[0]["err"]
+    assert kind0 == InputRejected.__name__ and "rank(s) [1]" in msg0
+
+
+def mismatched_config(rank, world, cfg):
+    cfg = dataclasses.replace(cfg, seed=cfg.seed + rank)
+    try:
+        Trainer(cfg)
+    except ConfigMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_config_mismatch_detected(pool2):
+    res = pool2.run(mismatched_config, tiny_config())
+    for r, msg in enumerate(res):
+        assert msg is not None and f"rank {r}" in msg and "different configurations" in msg
+
+
+def single_run_summary(rank, world, cfg):
+    tr = Trainer(cfg)
+    s = tr.train()
+    return s
+
+
+def test_summary_reports_ne_and_oracle(pool2):
+    cfg = tiny_config(steps=3)
+    cfg.eval_every = 2
+    s = pool2.run(single_run_summary, cfg)
+    for key in ("qps", "eval_ne", "oracle_ne", "eval_auc", "stage_ms", "straggler_share_median"):
+        assert key in s[0]
+    assert 0 < s[0]["oracle_ne"] < 1
+    assert s[0]["eval_ne"] == pytest.approx(s[1]["eval_ne"])
