@@ -28,23 +28,13 @@ from torch import nn
 
 from ..config import ModelConfig
 
-__all__ = ["SequenceRecModel", "jagged_attention", "bucket_length"]
+__all__ = ["SequenceRecModel", "jagged_attention", "flex_bucket", "document_causal_block_mask"]
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
     return out
-
-
-def bucket_length(n: int, quantum: int = 256) -> int:
-    """Round ``n`` up to a coarse geometric bucket (multiples of ``quantum``, <= ~12.5%
-    waste) so compiled kernels see few distinct shapes."""
-    n = max(n, 1)
-    q = quantum
-    while q * 16 < n:
-        q *= 2
-    return ((n + q - 1) // q) * q
 
 
 def _attention_reference(
@@ -92,30 +82,91 @@ def _attention_reference(
 
 
 _FLEX_CACHE: dict[str, object] = {}
+FLEX_BLOCK = 128
+
+
+def flex_bucket(n: int, quantum: int = 4 * FLEX_BLOCK) -> int:
+    """Padded token count for flex attention: the next of ``{2^k, 1.5 * 2^k}`` multiples
+    of ``quantum`` (few distinct shapes, so few compilations; <= 33% padding)."""
+    n = max(n, 1)
+    b = quantum
+    while True:
+        if n <= b:
+            return b
+        if n <= b + b // 2:
+            return b + b // 2
+        b *= 2
+
+
+def document_causal_block_mask(lengths: torch.Tensor, tp: int, block: int = FLEX_BLOCK):
+    """A flex-attention ``BlockMask`` for causal attention inside each jagged sample of
+    ``lengths`` (tokens concatenated, padded to ``tp``), built directly from the sample
+    boundaries in O(tp / block)^2 / 2 integers, never from a dense [tp, tp] mask.
+
+    For query block i the key blocks with any allowed pair are ``[start(doc(first
+    token of i)) / block, i]``; those whose whole span lies in the doc of the last token
+    of block i and strictly before i are *full* (no mask evaluated), the rest partial."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = lengths.device
+    lengths = lengths.to(torch.int64)
+    t = int(lengths.sum())
+    nb = tp // block
+    doc = torch.full((tp,), -1, dtype=torch.int64, device=dev)
+    start_of = torch.arange(tp, dtype=torch.int64, device=dev)  # padding: own "doc"
+    if t:
+        b = lengths.numel()
+        doc[:t] = torch.repeat_interleave(torch.arange(b, device=dev), lengths, output_size=t)
+        offs = torch.zeros(b + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths, 0, out=offs[1:])
+        start_of[:t] = offs[:-1][doc[:t]]
+    i = torch.arange(nb, device=dev)
+    first_start = start_of[i * block]  # doc start of the block's first token
+    last_start = start_of[i * block + block - 1]  # doc start of the block's last token
+    pstart = first_start // block
+    fstart = torch.minimum((last_start + block - 1) // block, i)  # first full kv block
+    # partial blocks: [pstart, fstart) then i; full blocks: [fstart, i)
+    ar = torch.arange(nb, device=dev).unsqueeze(0)
+    n_part = fstart - pstart + 1
+    part_idx = pstart.unsqueeze(1) + ar
+    part_idx = torch.where(ar == (n_part - 1).unsqueeze(1), i.unsqueeze(1), part_idx)
+    n_full = i - fstart
+    full_idx = fstart.unsqueeze(1) + ar
+    clamp = nb - 1
+    part_idx = part_idx.clamp(max=clamp).to(torch.int32)
+    full_idx = full_idx.clamp(max=clamp).to(torch.int32)
+    docm = doc.clone()
+    docm[t:] = -1 - torch.arange(tp - t, device=dev)  # padding attends only to itself
+
+    def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
+        return (docm[qi] == docm[ki]) & (qi >= ki)
+
+    return BlockMask.from_kv_blocks(
+        n_part.to(torch.int32).view(1, 1, nb),
+        part_idx.view(1, 1, nb, nb),
+        n_full.to(torch.int32).view(1, 1, nb),
+        full_idx.view(1, 1, nb, nb),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+    )
 
 
 def _attention_flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX_CACHE:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
     fn = _FLEX_CACHE["fn"]
     t, h, dh = q.shape
     if t == 0:
         return q.new_zeros(q.shape)
-    tp = bucket_length(t)
-    b = lengths.numel()
-    doc = torch.full((tp,), -1, dtype=torch.int32, device=q.device)
-    doc[:t] = torch.repeat_interleave(
-        torch.arange(b, device=q.device, dtype=torch.int32), lengths, output_size=t
-    )
-
-    def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
-        return (doc[qi] == doc[ki]) & (qi >= ki)
-
-    block_mask = create_block_mask(mask_mod, None, None, tp, tp, device=q.device)
+    tp = flex_bucket(t)
+    block_mask = document_causal_block_mask(lengths, tp)
 
     def pad(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(tp, h, dh)
