@@ -228,7 +228,7 @@ class ShardedEmbeddingCollection(nn.Module):
     # ------------------------------------------------------------- id dist
     def _sync(self) -> None:
         if self.timing and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _tic(self) -> float:
         self._sync()

@@ -162,7 +162,7 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _now(self) -> float:
         self._sync()
