@@ -42,24 +42,52 @@ def main() -> int:
     env["PYTHONPATH"] = "src" + os.pathsep + env.get("PYTHONPATH", "")
     ngpu = torch.cuda.device_count()
     gpus = a.gpus or sorted({1, ngpu})
-    sha = a.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown"
+    sha = (
+        a.git_sha
+        or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     commands, rows = [], []
     for n in gpus:
         summ = os.path.join(a.out, f"baseline_summary_{n}gpu.json")
-        cmd = [sys.executable, "-m", "freescale", "train", "--nproc", str(n), "--device", "cuda",
-               "--steps", str(a.steps), "--max-uih", str(a.max_uih), "--median-uih",
-               str(a.median_uih), "--global-batch-size", str(a.per_rank * n),
-               "--eval-every", "0", "--no-progress", "--summary", summ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "freescale",
+            "train",
+            "--nproc",
+            str(n),
+            "--device",
+            "cuda",
+            "--steps",
+            str(a.steps),
+            "--max-uih",
+            str(a.max_uih),
+            "--median-uih",
+            str(a.median_uih),
+            "--global-batch-size",
+            str(a.per_rank * n),
+            "--eval-every",
+            "0",
+            "--no-progress",
+            "--summary",
+            summ,
+        ]
         run(cmd, env)
         commands.append(" ".join(cmd[1:]))
         s = json.load(open(summ))["summary"]
         st = s["stage_ms"]
         emb_bytes = s["emb_bytes_sent_per_step"]
         row = {
-            "gpus": n, "qps": s["qps"], "qps_per_gpu": s["qps"] / n,
-            "stage_ms": st, "straggler_share_median": s["straggler_share_median"],
-            "eval_ne": s.get("eval_ne"), "oracle_ne": s.get("oracle_ne"),
+            "gpus": n,
+            "qps": s["qps"],
+            "qps_per_gpu": s["qps"] / n,
+            "stage_ms": st,
+            "straggler_share_median": s["straggler_share_median"],
+            "eval_ne": s.get("eval_ne"),
+            "oracle_ne": s.get("oracle_ne"),
             "emb_bytes_sent_per_step": emb_bytes,
             "emb_a2a_ms": st.get("emb.emb_a2a"),
         }
@@ -73,21 +101,32 @@ def main() -> int:
         # the same message size as the embedding exchange: per-rank send buffer
         per_rank = int(m["emb_bytes_sent_per_step"] * m["gpus"] / (m["gpus"] - 1))
         mb = os.path.join(a.out, "nccl_a2a.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(m["gpus"]), "benchmarks/nccl_a2a.py", "--bytes", str(per_rank),
-               "--out", mb]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(m["gpus"]),
+            "benchmarks/nccl_a2a.py",
+            "--bytes",
+            str(per_rank),
+            "--out",
+            mb,
+        ]
         run(cmd, env)
         commands.append(" ".join(cmd[1:]))
         micro = json.load(open(mb))["rows"][0]
         m["nccl_microbench"] = micro
-        head.update({
-            f"qps_{m['gpus']}gpu": m["qps"],
-            "scaling_efficiency": m["qps_per_gpu"] / rows[0]["qps_per_gpu"],
-            "emb_a2a_gb_per_s": m.get("emb_a2a_gb_per_s", float("nan")),
-            "nccl_a2a_gb_per_s": micro["gb_per_s"],
-            "emb_a2a_vs_nccl_bw": m.get("emb_a2a_gb_per_s", float("nan")) / micro["gb_per_s"],
-            "straggler_share_median": m["straggler_share_median"],
-        })
+        head.update(
+            {
+                f"qps_{m['gpus']}gpu": m["qps"],
+                "scaling_efficiency": m["qps_per_gpu"] / rows[0]["qps_per_gpu"],
+                "emb_a2a_gb_per_s": m.get("emb_a2a_gb_per_s", float("nan")),
+                "nccl_a2a_gb_per_s": micro["gb_per_s"],
+                "emb_a2a_vs_nccl_bw": m.get("emb_a2a_gb_per_s", float("nan")) / micro["gb_per_s"],
+                "straggler_share_median": m["straggler_share_median"],
+            }
+        )
     out = {
         "figure": "baseline_gpu",
         "device": f"{ngpu}x {torch.cuda.get_device_name(0)}",
@@ -95,8 +134,13 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": commands,
         "torch": torch.__version__,
-        "workload": {"max_uih": a.max_uih, "median_uih": a.median_uih, "per_rank": a.per_rank,
-                     "steps": a.steps, "length_dist": "lognormal"},
+        "workload": {
+            "max_uih": a.max_uih,
+            "median_uih": a.median_uih,
+            "per_rank": a.per_rank,
+            "steps": a.steps,
+            "length_dist": "lognormal",
+        },
         "rows": rows,
         "headline": head,
     }

@@ -37,8 +37,7 @@ def main() -> int:
             seg_rows = torch.repeat_interleave(rows[key], lengths.long())
             vals = (torch.rand(n, device="cuda", generator=g) * seg_rows).long().to(dt)
             for mode in ("block", "modulo"):
-                r = ranged_dispatch(vals, lengths, blocks.to(dt), w, mode=mode,
-                                    backend="reference")
+                r = ranged_dispatch(vals, lengths, blocks.to(dt), w, mode=mode, backend="reference")
                 t = ranged_dispatch(vals, lengths, blocks.to(dt), w, mode=mode, backend="triton")
                 for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
                     if not torch.equal(getattr(r, f), getattr(t, f)):
@@ -47,8 +46,9 @@ def main() -> int:
             emb = torch.randn(n, 64, device="cuda", generator=g)
             perm = r.unbucketize_permute
             for fn in (ranged_combine, ranged_combine_backward):
-                if not torch.equal(fn(emb, perm, backend="reference"),
-                                   fn(emb, perm, backend="triton")):
+                if not torch.equal(
+                    fn(emb, perm, backend="reference"), fn(emb, perm, backend="triton")
+                ):
                     print(f"MISMATCH {fn.__name__} w={w} {dt}")
                     bad += 1
             permute = torch.randperm(k, device="cuda", generator=g)

@@ -47,8 +47,14 @@ def main() -> None:
             times.append(s.elapsed_time(e))
         ms = statistics.median(times)
         sent = n * 4 * (w - 1) / w  # bytes leaving this rank
-        rows.append({"bytes_per_rank": n * 4, "bytes_sent_to_peers": sent, "median_ms": ms,
-                     "gb_per_s": sent / ms / 1e6 if ms > 0 else float("nan")})
+        rows.append(
+            {
+                "bytes_per_rank": n * 4,
+                "bytes_sent_to_peers": sent,
+                "median_ms": ms,
+                "gb_per_s": sent / ms / 1e6 if ms > 0 else float("nan"),
+            }
+        )
     if r == 0:
         print(json.dumps(rows, indent=1))
         if a.out:

@@ -1,6 +1,6 @@
 """Dense model forward/backward timing on one GPU for a long-UIH batch (diagnostics).
 
-    PYTHONPATH=src TORCH_LOGS=recompiles python benchmarks/profile_dense.py
+PYTHONPATH=src TORCH_LOGS=recompiles python benchmarks/profile_dense.py
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     dev = torch.device("cuda")
-    src = SyntheticSource(DataConfig(global_batch_size=128, max_uih=16384, median_uih=1024,
-                                     num_items=1000))
-    m = SequenceRecModel(ModelConfig(embedding_dim=128, num_heads=4, attention=a.attention),
-                         src.uih_keys).to(dev)
+    src = SyntheticSource(
+        DataConfig(global_batch_size=128, max_uih=16384, median_uih=1024, num_items=1000)
+    )
+    m = SequenceRecModel(
+        ModelConfig(embedding_dim=128, num_heads=4, attention=a.attention), src.uih_keys
+    ).to(dev)
     for it in range(a.iters):
         b = src.global_batch(it).to(dev)
         lengths = b.uih_lengths["uih_item"]
@@ -40,7 +42,10 @@ def main() -> None:
         out.sum().backward()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        print(f"iter {it}: tokens {t} fwd {1e3*(t1-t0):.1f} ms bwd {1e3*(t2-t1):.1f} ms", flush=True)
+        print(
+            f"iter {it}: tokens {t} fwd {1e3 * (t1 - t0):.1f} ms bwd {1e3 * (t2 - t1):.1f} ms",
+            flush=True,
+        )
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

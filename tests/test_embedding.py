@@ -148,8 +148,10 @@ def _full_table(emb: ShardedEmbeddingCollection, name: str) -> torch.Tensor:
 def _run_exchange(rank, world, kind, seed, steps, empty_rank):
     comm = Communicator(torch.distributed.group.WORLD if world > 1 else None)
     emb = ShardedEmbeddingCollection(TABLES, comm, SparseOptimConfig(kind, lr=0.05), seed=seed)
-    full0 = {t.name: init_table_rows(t, i, 0, t.num_embeddings, seed, torch.float32)
-             for i, t in enumerate(TABLES)}
+    full0 = {
+        t.name: init_table_rows(t, i, 0, t.num_embeddings, seed, torch.float32)
+        for i, t in enumerate(TABLES)
+    }
     outs = []
     for step in range(1, steps + 1):
         feats = _features(step, rank, seed, empty=(rank == empty_rank))
@@ -162,16 +164,23 @@ def _run_exchange(rank, world, kind, seed, steps, empty_rank):
         loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in out.values())
         loss.backward()
         outs.append({f: o.detach().clone() for f, o in out.items()})
-    return {"tables": {n: _full_table(emb, n) for n in ("item", "small")},
-            "state": {n: {k: v.clone() for k, (lo, v) in d.items()}
-                      for n, d in emb.shard_optimizer_state().items()},
-            "ids_sent": emb.stats.ids_sent, "rows_updated": emb.stats.rows_updated}
+    return {
+        "tables": {n: _full_table(emb, n) for n in ("item", "small")},
+        "state": {
+            n: {k: v.clone() for k, (lo, v) in d.items()}
+            for n, d in emb.shard_optimizer_state().items()
+        },
+        "ids_sent": emb.stats.ids_sent,
+        "rows_updated": emb.stats.rows_updated,
+    }
 
 
 def _reference(kind, seed, steps, world, empty_rank):
     """Single-process reference: all ranks' features on one table, float64 sums."""
-    tables = {t.name: init_table_rows(t, i, 0, t.num_embeddings, seed, torch.float32)
-              for i, t in enumerate(TABLES)}
+    tables = {
+        t.name: init_table_rows(t, i, 0, t.num_embeddings, seed, torch.float32)
+        for i, t in enumerate(TABLES)
+    }
     opt = {n: FusedSparseOptimizer(SparseOptimConfig(kind, lr=0.05), tables[n]) for n in tables}
     for step in range(1, steps + 1):
         grads = {n: torch.zeros(tables[n].shape, dtype=torch.float64) for n in tables}

@@ -22,13 +22,24 @@ F64_TOL = 1e-10
 def tiny_config(kind: str = "rowwise_adagrad", dtype: str = "float64", steps: int = 4):
     return TrainConfig(
         data=DataConfig(
-            seed=7, global_batch_size=8, num_items=300, num_actions=3, median_uih=6,
-            max_uih=24, num_candidates=3, eval_samples=8,
+            seed=7,
+            global_batch_size=8,
+            num_items=300,
+            num_actions=3,
+            median_uih=6,
+            max_uih=24,
+            num_candidates=3,
+            eval_samples=8,
         ),
-        model=ModelConfig(embedding_dim=8, num_layers=1, num_heads=2, max_positions=64,
-                          dtype=dtype),
+        model=ModelConfig(
+            embedding_dim=8, num_layers=1, num_heads=2, max_positions=64, dtype=dtype
+        ),
         sparse_optim=SparseOptimConfig(kind=kind, lr=0.05),
-        steps=steps, eval_every=0, progress=False, device="cpu", dense_lr=1e-2,
+        steps=steps,
+        eval_every=0,
+        progress=False,
+        device="cpu",
+        dense_lr=1e-2,
     )
 
 

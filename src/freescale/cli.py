@@ -27,13 +27,20 @@ DEFAULT_STEPS = 250
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks (default: one per GPU, else 2 CPU ranks)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks (default: one per GPU, else 2 CPU ranks)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per step over all ranks (default 64 per rank on CPU, "
-                   "128 per rank on GPU)")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per step over all ranks (default 64 per rank on CPU, 128 per rank on GPU)",
+    )
     p.add_argument("--source", choices=["synthetic", "movielens"], default="synthetic")
     p.add_argument("--data-path", default=None, help="MovieLens-format file")
     p.add_argument("--num-items", type=int, default=None)
@@ -45,8 +52,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--num-heads", type=int, default=None)
     p.add_argument("--attention", choices=["auto", "reference", "sdpa", "flex"], default="auto")
-    p.add_argument("--sparse-optim", choices=["sgd", "rowwise_adagrad", "adam"],
-                   default="rowwise_adagrad")
+    p.add_argument(
+        "--sparse-optim", choices=["sgd", "rowwise_adagrad", "adam"], default="rowwise_adagrad"
+    )
     p.add_argument("--sparse-lr", type=float, default=None)
     p.add_argument("--dense-lr", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=None)
@@ -56,8 +64,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", default=None, help="JSON-lines log path (rank 0)")
     p.add_argument("--summary", default=None, help="write the final summary JSON here")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
 
 
 def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
@@ -72,8 +79,11 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
     if gpu:  # long-UIH default on GPUs
         data.num_items, data.max_uih, data.median_uih = 1_000_000, 16_384, 1024
     for flag, attr in [
-        ("num_items", "num_items"), ("max_uih", "max_uih"), ("median_uih", "median_uih"),
-        ("length_dist", "length_dist"), ("num_candidates", "num_candidates"),
+        ("num_items", "num_items"),
+        ("max_uih", "max_uih"),
+        ("median_uih", "median_uih"),
+        ("length_dist", "length_dist"),
+        ("num_candidates", "num_candidates"),
         ("eval_samples", "eval_samples"),
     ]:
         v = getattr(args, flag)
@@ -90,8 +100,14 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
     if args.sparse_lr is not None:
         sparse.lr = args.sparse_lr
     cfg = TrainConfig(
-        data=data, model=model, sparse_optim=sparse, steps=args.steps, seed=args.seed,
-        device=args.device, log_path=args.log, progress=not args.no_progress,
+        data=data,
+        model=model,
+        sparse_optim=sparse,
+        steps=args.steps,
+        seed=args.seed,
+        device=args.device,
+        log_path=args.log,
+        progress=not args.no_progress,
     )
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr
@@ -157,8 +173,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.nproc is None:
-        args.nproc = int(os.environ["WORLD_SIZE"]) if in_torchrun else (
-            torch.cuda.device_count() if gpu else 2
+        args.nproc = (
+            int(os.environ["WORLD_SIZE"])
+            if in_torchrun
+            else (torch.cuda.device_count() if gpu else 2)
         )
     cfg = build_train_config(args, gpu)
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -178,8 +196,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         monitor_interval=0.5,
         start_method="spawn",
     )
-    print(f"freescale train: launching {args.nproc} local ranks "
-          f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})", flush=True)
+    print(
+        f"freescale train: launching {args.nproc} local ranks "
+        f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
+        flush=True,
+    )
     elastic_launch(lc, entrypoint=run_rank)(cfg_dict, args.summary, args.timeout)
     return 0
 
@@ -189,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_train = sub.add_parser("train", help="train the reference model (default: synthetic)")
     _add_train_flags(p_train)
-    p_sim = sub.add_parser("simulate", help="straggler simulator (see balance/README.md)",
-                           add_help=False)
+    p_sim = sub.add_parser(
+        "simulate", help="straggler simulator (see balance/README.md)", add_help=False
+    )
     p_sim.add_argument("rest", nargs=argparse.REMAINDER)
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "train":

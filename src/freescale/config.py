@@ -65,9 +65,7 @@ class SparseOptimConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("sgd", "rowwise_adagrad", "adam"):
-            raise ValueError(
-                f"unknown sparse optimizer '{self.kind}' (sgd, rowwise_adagrad, adam)"
-            )
+            raise ValueError(f"unknown sparse optimizer '{self.kind}' (sgd, rowwise_adagrad, adam)")
         if self.lr <= 0:
             raise ValueError("sparse optimizer lr must be > 0")
 
@@ -117,6 +115,9 @@ class ModelConfig:
     ffn_mult: int = 2
     max_positions: int = 32_768
     attention: Literal["auto", "reference", "sdpa", "flex"] = "auto"
+    # compute dtype of the attention kernel; "auto": bfloat16 for flex on CUDA (tensor
+    # cores; fp32 flex backward is ~10x slower), else the model dtype
+    attention_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"
 
 
@@ -158,9 +159,7 @@ def default_tables(data: DataConfig, model: ModelConfig, uih_keys: list[str]) ->
     """Tables of the built-in data sources: items (UIH items and candidates share it)
     and actions."""
     d = model.embedding_dim
-    tables = [
-        TableConfig("item", data.num_items, d, [k for k in uih_keys if k != "uih_action"])
-    ]
+    tables = [TableConfig("item", data.num_items, d, [k for k in uih_keys if k != "uih_action"])]
     tables[0].feature_names.append(CANDIDATE_FEATURE)
     if "uih_action" in uih_keys:
         tables.append(TableConfig("action", data.num_actions, d, ["uih_action"]))

@@ -78,7 +78,14 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, init_file, self._tasks[r], self._results, self.pg_timeout),
+                args=(
+                    r,
+                    self.world_size,
+                    init_file,
+                    self._tasks[r],
+                    self._results,
+                    self.pg_timeout,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -165,7 +165,11 @@ class Communicator:
         if self.world_size == 1:
             return Done(tensor)
         out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        row = tensor[0:1].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+        row = (
+            tensor[0:1].numel() * tensor.element_size()
+            if tensor.dim() > 1
+            else tensor.element_size()
+        )
         self._count("all_to_all", name, (sum(input_splits) - input_splits[self.rank]) * row)
         t0 = time.perf_counter()
         try:

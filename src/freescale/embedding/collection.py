@@ -258,7 +258,9 @@ class ShardedEmbeddingCollection(nn.Module):
         feat_of = torch.repeat_interleave(
             torch.arange(len(plan.features)).repeat(w), recv_counts.reshape(-1)
         ).to(self.device)
-        recv_keys = recv + self._table_offsets.to(self.device)[self._feature_table.to(self.device)[feat_of]]
+        recv_keys = (
+            recv + self._table_offsets.to(self.device)[self._feature_table.to(self.device)[feat_of]]
+        )
         self.stats.ids_sent += int(cat.numel()) - int(send_splits[self.comm.rank])
         self.stats.ids_received += int(recv.numel())
         self._toc("id_dist", t0)

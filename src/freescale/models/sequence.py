@@ -61,14 +61,18 @@ def _attention_reference(
         if lmax == 0:
             continue
         n = int(lens.sum())
-        seg = torch.repeat_interleave(torch.arange(idx.numel(), device=q.device), lens, output_size=n)
+        seg = torch.repeat_interleave(
+            torch.arange(idx.numel(), device=q.device), lens, output_size=n
+        )
         starts = torch.repeat_interleave(offs[:-1][idx], lens, output_size=n)
         first = torch.repeat_interleave(_offsets(lens)[:-1], lens, output_size=n)
         pos = torch.arange(n, device=q.device) - first
         src = starts + pos
 
-        def pad(x: torch.Tensor) -> torch.Tensor:
-            o = x.new_zeros(idx.numel(), lmax, h, dh)
+        nb = idx.numel()
+
+        def pad(x: torch.Tensor, seg=seg, pos=pos, src=src, nb=nb, lmax=lmax):
+            o = x.new_zeros(nb, lmax, h, dh)
             o[seg, pos] = x[src]
             return o.transpose(1, 2)  # [b, H, L, dh]
 
@@ -200,10 +204,12 @@ class _Block(nn.Module):
         self.norm2 = nn.LayerNorm(d)
         self.ffn = nn.Sequential(nn.Linear(d, ffn_mult * d), nn.GELU(), nn.Linear(ffn_mult * d, d))
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor, backend: str) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lengths: torch.Tensor, backend: str, attn_dtype: torch.dtype
+    ) -> torch.Tensor:
         t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(t, 3, self.heads, d // self.heads)
-        a = jagged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, backend)
+        qkv = self.qkv(self.norm1(x)).view(t, 3, self.heads, d // self.heads).to(attn_dtype)
+        a = jagged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, backend).to(x.dtype)
         x = x + self.proj(a.reshape(t, d))
         return x + self.ffn(self.norm2(x))
 
@@ -251,15 +257,21 @@ class SequenceRecModel(nn.Module):
         rev = offs[1:][seg] - 1 - torch.arange(t, device=x.device)
         x = x + self.pos(rev.clamp(max=self.cfg.max_positions - 1))
         backend = self.attention_backend(x.device)
+        ad = self.cfg.attention_dtype
+        if ad == "auto":
+            attn_dtype = torch.bfloat16 if backend == "flex" and x.is_cuda else x.dtype
+        else:
+            attn_dtype = torch.bfloat16 if ad == "bfloat16" else torch.float32
         for blk in self.blocks:
-            x = blk(x, lengths, backend)
+            x = blk(x, lengths, backend, attn_dtype)
         x = self.norm(x)
         # user state = last position of each sample (zeros for an empty history)
         last = (offs[1:] - 1).clamp(min=0)
         user = x[last] if t > 0 else x.new_zeros(b, x.shape[1])
         user = torch.where((lengths > 0).unsqueeze(1), user, torch.zeros_like(user))
         cand_seg = torch.repeat_interleave(
-            torch.arange(b, device=x.device), num_candidates.to(torch.int64),
+            torch.arange(b, device=x.device),
+            num_candidates.to(torch.int64),
             output_size=candidates.shape[0],
         )
         u = user[cand_seg]
@@ -274,4 +286,3 @@ def sum_bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum over candidates of binary cross-entropy with logits (no mean: callers divide
     by the *global* candidate count, DESIGN.md section 1)."""
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
-

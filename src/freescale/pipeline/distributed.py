@@ -53,9 +53,7 @@ def init_distributed(
         kwargs = {}
         if use_cuda:
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(
-            backend=be, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-        )
+        dist.init_process_group(backend=be, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         owns = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm.base import Communicator
 from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tables
 from ..data.batch import JaggedBatch
+from ..data.loader import PrefetchingLoader
 from ..data.validate import BadInputError, validate_batch
 from ..embedding.collection import ShardedEmbeddingCollection
 from ..metrics.auc import AUCAccumulator
@@ -119,9 +120,7 @@ class Trainer:
         self.uih_keys = list(self.source.uih_keys)
         self.tables = cfg.tables or default_tables(cfg.data, cfg.model, self.uih_keys)
         _fit_table_sizes(self.tables, self.source)
-        self.feature_rows = {
-            f: t.num_embeddings for t in self.tables for f in t.feature_names
-        }
+        self.feature_rows = {f: t.num_embeddings for t in self.tables for f in t.feature_names}
         # separate groups: embedding exchange, metadata; DDP keeps the default group
         if self.world_size > 1:
             self.emb_comm = Communicator(dist.new_group(), name="embedding")
@@ -183,16 +182,39 @@ class Trainer:
         err: Exception | None = None
         batch: JaggedBatch | None = None
         try:
-            batch = validate_batch(
-                self.local_batch(step, split),
-                self.feature_rows,
-                max_uih=self.cfg.data.max_uih,
-                rank=self.rank,
-            )
+            batch = self.validate(self.local_batch(step, split))
         except BadInputError as e:
             err = e
         batch = self.agree_on_input(batch, err, step)
         return batch.to(self.device)
+
+    def validate(self, batch: JaggedBatch) -> JaggedBatch:
+        return validate_batch(
+            batch, self.feature_rows, max_uih=self.cfg.data.max_uih, rank=self.rank
+        )
+
+    def _loader(self, first: int, steps: int) -> PrefetchingLoader:
+        """Background thread loading + validating batches ``first .. first+steps-1``."""
+        return PrefetchingLoader(
+            self.source,
+            self.rank,
+            self.world_size,
+            range(first, first + steps),
+            validate_fn=self.validate,
+            depth=3,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def next_batch(self, loader: PrefetchingLoader, step: int) -> JaggedBatch:
+        """Data stage: take the prefetched batch, agree with all ranks, move to device."""
+        err: Exception | None = None
+        batch: JaggedBatch | None = None
+        try:
+            batch = next(loader)
+        except BadInputError as e:
+            err = e
+        batch = self.agree_on_input(batch, err, step)
+        return batch.to(self.device, non_blocking=True)
 
     def agree_on_input(
         self, batch: JaggedBatch | None, err: Exception | None, step: int
@@ -230,7 +252,9 @@ class Trainer:
         emb = self.sparse(self.features_of(batch))
         lengths = batch.uih_lengths[self.uih_keys[0]]
         return self.dense_ddp(
-            {k: emb[k] for k in self.uih_keys}, lengths, emb[CANDIDATE_FEATURE],
+            {k: emb[k] for k in self.uih_keys},
+            lengths,
+            emb[CANDIDATE_FEATURE],
             batch.num_candidates,
         )
 
@@ -279,12 +303,15 @@ class Trainer:
         times.values.update({f"emb.{k}": v for k, v in st.items()})
         fwd_sparse = st.get("id_dist", 0) + st.get("lookup", 0) + st.get("emb_a2a", 0)
         bwd_sparse = st.get("grad_a2a", 0) + st.get("sparse_update", 0)
-        times.add("dense", times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse)
+        times.add(
+            "dense", times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse
+        )
         return {
             "step": t,
             "loss_sum": float(loss_sum.detach()),
             "global_candidates": gc,
             "samples": batch.batch_size,
+            "candidates": float(batch.num_candidates.sum()),
             "tokens": batch.total_tokens(),
             "times": times.values,
         }
@@ -295,15 +322,15 @@ class Trainer:
         """NE, AUC, log loss and the oracle NE (true probabilities) on held-out samples."""
         self.dense_ddp.eval()
         self.sparse.eval()
-        n = num_batches or self.cfg.eval_batches or max(
-            1, self.cfg.data.eval_samples // self.cfg.data.global_batch_size
+        n = (
+            num_batches
+            or self.cfg.eval_batches
+            or max(1, self.cfg.data.eval_samples // self.cfg.data.global_batch_size)
         )
         ne, ne_oracle, auc = NEAccumulator(), NEAccumulator(), AUCAccumulator()
         for i in range(n):
             batch = self.load_batch(i, split="eval")
-            logits = self.dense(
-                *self._dense_inputs(batch)
-            )
+            logits = self.dense(*self._dense_inputs(batch))
             ne.update(labels=batch.labels, logits=logits)
             auc.update(logits, batch.labels)
             if batch.true_probs is not None:
@@ -326,7 +353,9 @@ class Trainer:
         emb = self.sparse(self.features_of(batch))
         lengths = batch.uih_lengths[self.uih_keys[0]]
         return (
-            {k: emb[k] for k in self.uih_keys}, lengths, emb[CANDIDATE_FEATURE],
+            {k: emb[k] for k in self.uih_keys},
+            lengths,
+            emb[CANDIDATE_FEATURE],
             batch.num_candidates,
         )
 
@@ -340,6 +369,7 @@ class Trainer:
         return [dict(zip(keys, o.cpu().tolist())) for o in out]
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
+        """Run ``steps`` more steps (default ``cfg.steps``), evaluate, return the summary."""
         cfg = self.cfg
         steps = cfg.steps if steps is None else steps
         for h in self.hooks:
@@ -354,59 +384,70 @@ class Trainer:
             except ImportError:  # pragma: no cover
                 bar = None
         stage_sum: dict[str, float] = defaultdict(float)
-        timed_steps = 0
-        samples = 0
-        warmup = min(5, max(steps // 10, 0))
-        ne_window = NEAccumulator()
-        straggler = []
-        t_start = None
+        straggler: list[float] = []
+        warmup = min(5, steps // 10)
+        first, last = self.step + 1, self.step + steps
+        timed_steps, samples = 0, 0
+        t_start: float | None = None
         loss_acc, cand_acc = 0.0, 0.0
-        for _ in range(steps):
-            t = self.step + 1
-            if t == warmup + 1 or t_start is None and warmup == 0:
-                self._sync()
-                t_start = time.perf_counter()
-            t0 = self._now()
-            batch = self.load_batch(t)
-            for h in self.hooks:
-                batch = h.on_batch(self, t, batch)
-            t_data = self._now() - t0
-            rec = self.train_step(batch)
-            rec["times"]["data"] = t_data
-            t0 = self._now()
-            loss_acc += rec["loss_sum"]
-            cand_acc += float(batch.num_candidates.sum())
-            all_times = self._gather_times(rec["times"])
-            dense = [a.get("dense", 0.0) for a in all_times]
-            share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
-            rec["straggler_share"] = share
-            rec["times"]["metrics"] = self._now() - t0
-            if t > warmup:
-                timed_steps += 1
-                samples += cfg.data.global_batch_size
-                straggler.append(share)
-                for k, v in rec["times"].items():
-                    stage_sum[k] += v
-            for h in self.hooks:
-                h.on_metrics(self, t, rec)
-            if t % cfg.log_every == 0 or t == steps:
-                tot = torch.tensor([loss_acc, cand_acc], dtype=torch.float64)
-                if self.world_size > 1:
-                    tot = self.meta_comm.all_reduce(tot.to(self.meta_comm.device), name="loss").wait().cpu()
-                rec["train_logloss"] = float(tot[0] / max(float(tot[1]), 1.0))
-                loss_acc, cand_acc = 0.0, 0.0
-                self.log({"kind": "train", **rec})
+        loader = self._loader(first, steps)
+        try:
+            for t in range(first, last + 1):
+                if t == first + warmup:
+                    self._sync()
+                    t_start = time.perf_counter()
+                t0 = self._now()
+                batch = self.next_batch(loader, t)
+                for h in self.hooks:
+                    batch = h.on_batch(self, t, batch)
+                t_data = self._now() - t0
+                rec = self.train_step(batch)
+                rec["times"]["data"] = t_data
+                t0 = self._now()
+                loss_acc += rec["loss_sum"]
+                cand_acc += rec["candidates"]
+                all_times = self._gather_times(rec["times"])
+                dense = [a.get("dense", 0.0) for a in all_times]
+                share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
+                rec["straggler_share"] = share
+                rec["dense_ms_per_rank"] = [1e3 * d for d in dense]
+                rec["times"]["metrics"] = self._now() - t0
+                if t >= first + warmup:
+                    timed_steps += 1
+                    samples += cfg.data.global_batch_size
+                    straggler.append(share)
+                    for k, v in rec["times"].items():
+                        stage_sum[k] += v
+                for h in self.hooks:
+                    h.on_metrics(self, t, rec)
+                if t % cfg.log_every == 0 or t == last:
+                    tot = torch.tensor([loss_acc, cand_acc], dtype=torch.float64)
+                    if self.world_size > 1:
+                        tot = (
+                            self.meta_comm.all_reduce(tot.to(self.meta_comm.device), name="loss")
+                            .wait()
+                            .cpu()
+                        )
+                    rec["train_logloss"] = float(tot[0] / max(float(tot[1]), 1.0))
+                    loss_acc, cand_acc = 0.0, 0.0
+                    self.log({"kind": "train", **rec})
+                    if bar is not None:
+                        bar.set_postfix(logloss=f"{rec['train_logloss']:.4f}")
+                if cfg.eval_every and t % cfg.eval_every == 0 and t != last:
+                    ev = self.evaluate()
+                    ev["step"] = t
+                    self.eval_history.append(ev)
+                    self.log({"kind": "eval", **ev})
+                    if show:
+                        _print(
+                            bar,
+                            f"step {t}: eval NE {ev['eval_ne']:.4f} "
+                            f"(oracle {ev['oracle_ne']:.4f}), AUC {ev['eval_auc']:.4f}",
+                        )
                 if bar is not None:
-                    bar.set_postfix(logloss=f"{rec['train_logloss']:.4f}")
-            if cfg.eval_every and t % cfg.eval_every == 0 and t != steps:
-                ev = self.evaluate()
-                ev["step"] = t
-                self.eval_history.append(ev)
-                self.log({"kind": "eval", **ev})
-                if show:
-                    _print(bar, f"step {t}: eval NE {ev['eval_ne']:.4f} (oracle {ev['oracle_ne']:.4f}), AUC {ev['eval_auc']:.4f}")
-            if bar is not None:
-                bar.update(1)
+                    bar.update(1)
+        finally:
+            loader.close()
         self._sync()
         wall = time.perf_counter() - t_start if t_start is not None else 0.0
         if bar is not None:
@@ -417,7 +458,6 @@ class Trainer:
             self.eval_history.append(ev)
             self.log({"kind": "eval", **ev})
         mean_times = {k: v / max(timed_steps, 1) for k, v in stage_sum.items()}
-        emb_bytes = self.sparse.stats.emb_bytes_sent
         summary: dict[str, Any] = {
             "steps": self.step,
             "world_size": self.world_size,
@@ -428,7 +468,8 @@ class Trainer:
             "timed_steps": timed_steps,
             "stage_ms": {k: 1e3 * v for k, v in sorted(mean_times.items())},
             "straggler_share_median": _median(straggler),
-            "emb_bytes_sent_per_step": emb_bytes / max(self.sparse.stats.steps, 1),
+            "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
+            / max(self.sparse.stats.steps, 1),
             **ev,
         }
         if ev and not math.isnan(ev.get("oracle_ne", float("nan"))):
@@ -469,7 +510,10 @@ def _print(bar: Any, msg: str) -> None:
 
 def _fit_table_sizes(tables: list, source: Any) -> None:
     """Sources with data-defined vocabularies (MovieLens) size the default tables."""
-    sizes = {"item": getattr(source, "num_items", None), "action": getattr(source, "num_actions", None)}
+    sizes = {
+        "item": getattr(source, "num_items", None),
+        "action": getattr(source, "num_actions", None),
+    }
     for t in tables:
         n = sizes.get(t.name)
         if n is not None and n != t.num_embeddings:

@@ -1,0 +1,472 @@
+"""Figure "kernels": jagged index kernels, Triton vs naive eager vs vectorized PyTorch.
+
+Usage (one H200): ``PYTHONPATH=src python benchmarks/kernels.py --out DIR [--git-sha SHA]``
+CPU smoke check: ``PYTHONPATH=src python benchmarks/kernels.py --out DIR --smoke``
+(tiny sizes; reference/vectorized/naive, plus Triton if TRITON_INTERPRET=1 is set).
+
+World size is swept 8..1024 for two workloads:
+- "per_rank": ONE rank's local batch (128 samples x 4 keys, skewed UIH lengths with mean
+  2048, the 4 keys are parallel sequences of one length) dispatched to W owners;
+- "large": 2^26 ids (8192 samples x 4 keys, same length distribution).
+Ops: ranged_dispatch, ranged_combine (+ backward, D=128 bf16 rows), keyed_transpose of the
+dispatch output ([W][K][B] -> [K][W][B]) and indexed_permute (a sample shuffle; its cost
+does not depend on W, so it is timed once per workload).
+
+Correct first: before timing, every implementation's output is compared bitwise with the
+reference on the same input, and Triton is run twice and compared with itself; any
+mismatch aborts the run. Times are medians (triton.testing.do_bench on GPU; naive eager
+gets a capped number of repetitions and a global time budget). Writes DIR/kernels.json
+and, if matplotlib is importable, DIR/kernels.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from freescale.kernels import naive, reference, vectorized
+from freescale.kernels.common import triton_available
+
+WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
+NUM_KEYS = 4
+MEAN_UIH = 2048
+MAX_UIH = 16384
+EMBEDDING_DIM = 128
+ROWS_PER_TABLE = 50_000_000
+
+
+class Mismatch(RuntimeError):
+    """An implementation disagreed with the reference: the run is invalid."""
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def skewed_lengths(
+    gen: torch.Generator, batch: int, total: Optional[int], mean: int, cap: int
+) -> torch.Tensor:
+    """Per-sample UIH lengths: log-normal, mean ~`mean`, in [1, cap]; sum `total` if given."""
+    raw = torch.empty(batch).log_normal_(mean=0.0, std=1.0, generator=gen)
+    lengths = (raw / raw.mean() * mean).clamp_(1, cap).round_().to(torch.int64)
+    if total is not None:  # rescale to hit `total` ids exactly
+        lengths = (lengths.double() * total / lengths.sum()).floor_().clamp_(min=1).long()
+        lengths[torch.argsort(lengths)[: total - int(lengths.sum())]] += 1
+        assert int(lengths.sum()) == total
+    return lengths
+
+
+def make_workload(
+    name: str, batch: int, total: Optional[int], device: torch.device, seed: int, smoke: bool
+) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    mean, cap = (64, 512) if smoke else (MEAN_UIH, MAX_UIH)  # smoke: seconds on a CPU
+    per_sample = skewed_lengths(gen, batch, total // NUM_KEYS if total else None, mean, cap)
+    lengths = per_sample.repeat(NUM_KEYS)  # [key][sample], parallel sequence features
+    n = int(lengths.sum())
+    values = torch.randint(0, ROWS_PER_TABLE, (n,), generator=gen)
+    return {
+        "name": name,
+        "batch": batch,
+        "lengths": lengths.to(device),
+        "values": values.to(device),
+        "n": n,
+    }
+
+
+def block_sizes_for(world: int, device: torch.device) -> torch.Tensor:
+    block = -(-ROWS_PER_TABLE // world)
+    return torch.full((NUM_KEYS,), block, dtype=torch.int64, device=device)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fast(fn: Callable[[], object], device: torch.device, reps: int) -> tuple[float, int]:
+    """Median ms: triton.testing.do_bench on GPU, a perf_counter loop on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median")), -1
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples), reps
+
+
+def time_capped(
+    fn: Callable[[], object], device: torch.device, max_reps: int, budget_s: float
+) -> tuple[float, int]:
+    """Median ms of at most `max_reps` runs (after one warmup) within `budget_s` seconds."""
+    t_start = time.perf_counter()
+    _sync(device)
+    fn()  # warmup
+    _sync(device)
+    samples = []
+    while len(samples) < max_reps and (time.perf_counter() - t_start) < budget_s:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples), len(samples)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms, _ = time_fast(lambda: dst.copy_(src), device, reps=5)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def check_same(what: str, expected, actual) -> None:
+    if hasattr(expected, "unbucketize_permute"):
+        fields = ("values", "lengths", "splits", "key_counts", "unbucketize_permute", "weights")
+        pairs = [(f, getattr(expected, f), getattr(actual, f)) for f in fields]
+    elif isinstance(expected, tuple):
+        pairs = [(str(i), e, a) for i, (e, a) in enumerate(zip(expected, actual))]
+    else:
+        pairs = [("out", expected, actual)]
+    for field, e, a in pairs:
+        if not _equal(e, a):
+            raise Mismatch(f"MISMATCH in {what}: field {field} differs from the reference")
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+class Runner:
+    def __init__(self, args, device: torch.device, use_triton: bool):
+        self.args = args
+        self.device = device
+        self.use_triton = use_triton
+        self.deadline = time.perf_counter() + args.budget_s
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+        self.bandwidth: Optional[float] = None
+        if use_triton:
+            from freescale.kernels import triton_impl
+
+            self.triton = triton_impl
+            self.tile = 32 if device.type == "cpu" else None
+
+    def time_impls(self, impls: dict[str, Callable[[], object]], naive_fn) -> dict:
+        out = {}
+        for name, fn in impls.items():
+            ms, reps = time_fast(fn, self.device, self.args.cpu_reps)
+            out[f"{name}_ms"] = ms
+        if naive_fn is None:
+            return out
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            out["naive_ms"], out["naive_reps"] = None, 0
+            self.notes.append("time budget exhausted: some naive timings skipped (null)")
+            return out
+        budget = min(self.args.naive_budget_s, left)
+        out["naive_ms"], out["naive_reps"] = time_capped(naive_fn, self.device, 5, budget)
+        return out
+
+    def record(self, wl, op: str, world: Optional[int], times: dict, floor_bytes: int) -> None:
+        row = {
+            "workload": wl["name"],
+            "op": op,
+            "world_size": world,
+            "n_ids": wl["n"],
+            "num_keys": NUM_KEYS,
+            "batch": wl["batch"],
+            **times,
+            "floor_bytes": floor_bytes,
+        }
+        t = row.get("triton_ms")
+        if t:
+            if row.get("naive_ms"):
+                row["speedup_vs_naive"] = row["naive_ms"] / t
+            if row.get("vectorized_ms"):
+                row["speedup_vs_vectorized"] = row["vectorized_ms"] / t
+            if self.bandwidth:
+                row["floor_ms"] = floor_bytes / self.bandwidth * 1e3
+                row["fraction_of_hbm_floor"] = row["floor_ms"] / t
+        self.rows.append(row)
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(shown), flush=True)
+
+    def bench_op(
+        self,
+        wl: dict,
+        op: str,
+        world: Optional[int],
+        fns: dict[str, Callable[[], object]],
+        floor_bytes: int,
+    ):
+        """Check every implementation against the reference, then time them.
+
+        `fns` maps "reference", "vectorized", "naive" and (if used) "triton" to
+        zero-argument calls on the same input. Returns the reference output.
+        """
+        where = f"{op} ({wl['name']}, W={world})"
+        expect = fns["reference"]()
+        check_same(f"vectorized {where}", expect, fns["vectorized"]())
+        if wl["n"] <= self.args.check_naive_max_ids:
+            check_same(f"naive {where}", expect, fns["naive"]())
+        impls = {"vectorized": fns["vectorized"]}
+        if self.use_triton:
+            got = fns["triton"]()
+            check_same(f"triton {where}", expect, got)
+            check_same(f"triton {where} run twice (determinism)", got, fns["triton"]())
+            impls["triton"] = fns["triton"]
+            del got
+        times = self.time_impls(impls, fns["naive"])
+        self.record(wl, op, world, times, floor_bytes)
+        return expect
+
+    def run_workload(self, wl: dict, worlds: list[int]) -> None:
+        values, lengths, n, batch = wl["values"], wl["lengths"], wl["n"], wl["batch"]
+        idx_bytes, len_bytes = values.element_size(), lengths.element_size()
+        tri = self.triton if self.use_triton else None
+        for world in worlds:
+            args = (values, lengths, block_sizes_for(world, self.device), world)
+            fns = {
+                "reference": partial(reference.ranged_dispatch, *args),
+                "vectorized": partial(vectorized.ranged_dispatch, *args),
+                "naive": partial(naive.ranged_dispatch, *args),
+            }
+            if tri:
+                fns["triton"] = partial(tri.ranged_dispatch, *args, tile=self.tile)
+            floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
+            ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
+
+            # Embedding rows come back shard-major; combine puts them batch-major.
+            perm, splits = ref.unbucketize_permute, ref.splits.tolist()
+            rows = torch.randn(n, self.args.dim, device=self.device, dtype=torch.bfloat16)
+            floor = 2 * rows.numel() * rows.element_size() + n * 8
+            for op in ("ranged_combine", "ranged_combine_backward"):
+                fns = {
+                    "reference": partial(getattr(reference, op), rows, perm),
+                    "vectorized": partial(getattr(vectorized, op), rows, perm),
+                    "naive": partial(getattr(naive, op), rows, perm, splits),
+                }
+                if tri:
+                    fns["triton"] = partial(getattr(tri, op), rows, perm)
+                self.bench_op(wl, op, world, fns, floor)
+            del rows, fns
+
+            # The dispatch output is [W][K][B] jagged data: recat it to [K][W][B].
+            t_args = (ref.lengths.view(world, NUM_KEYS, batch), ref.values)
+            fns = {
+                "reference": partial(reference.keyed_transpose, *t_args),
+                "vectorized": partial(vectorized.keyed_transpose, *t_args),
+                "naive": partial(naive.keyed_transpose, *t_args),
+            }
+            if tri:
+                fns["triton"] = partial(tri.keyed_transpose, *t_args)
+            floor = 2 * (n * idx_bytes + ref.lengths.numel() * len_bytes)
+            self.bench_op(wl, "keyed_transpose", world, fns, floor)
+            del ref, fns, t_args
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        # indexed_permute: shuffle the samples of every key (cost independent of W).
+        gen = torch.Generator().manual_seed(self.args.seed + 1)
+        sigma = torch.randperm(batch, generator=gen)
+        permute = (torch.arange(NUM_KEYS)[:, None] * batch + sigma[None, :]).reshape(-1)
+        call = (permute.to(torch.int32).to(self.device), lengths.view(-1, 1), values)
+        fns = {
+            "reference": partial(reference.indexed_permute, *call, None, n),
+            "vectorized": partial(vectorized.indexed_permute, *call, None, n),
+            "naive": partial(naive.indexed_permute, *call),
+        }
+        if tri:
+            fns["triton"] = partial(tri.indexed_permute, *call, None, n)
+        floor = 2 * (n * idx_bytes + lengths.numel() * len_bytes)
+        self.bench_op(wl, "indexed_permute", None, fns, floor)
+
+
+def _git_sha(explicit: Optional[str]) -> Optional[str]:
+    if explicit:
+        return explicit
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _headline(rows: list[dict]) -> dict:
+    def pick(workload: str, world: int, key: str):
+        for r in rows:
+            if (
+                r["workload"] == workload
+                and r["op"] == "ranged_dispatch"
+                and r["world_size"] == world
+            ):
+                return r.get(key)
+        return None
+
+    return {
+        "speedup_vs_eager_w32": pick("per_rank", 32, "speedup_vs_naive"),
+        "speedup_vs_eager_w512": pick("per_rank", 512, "speedup_vs_naive"),
+        "speedup_vs_vectorized_w512": pick("per_rank", 512, "speedup_vs_vectorized"),
+        "dispatch_fraction_of_hbm_floor": pick("large", 1024, "fraction_of_hbm_floor"),
+        "definition": (
+            "speedups: ranged_dispatch, per_rank workload (one rank's batch, "
+            "128 samples x 4 keys, mean UIH 2048), naive eager or vectorized time / Triton "
+            "time; fraction: large workload (2^26 ids) at W=1024, HBM floor time "
+            "(bytes read+written / measured device copy bandwidth) / Triton time"
+        ),
+    }
+
+
+def _plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = sorted({r["workload"] for r in rows}, key=lambda w: w != "per_rank")
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 8), squeeze=False)
+    for col, wl in enumerate(workloads):
+        ax = axes[0][col]
+        disp = [r for r in rows if r["workload"] == wl and r["op"] == "ranged_dispatch"]
+        for impl, style in (("triton", "o-"), ("vectorized", "s--"), ("naive", "^:")):
+            pts = [(r["world_size"], r.get(f"{impl}_ms")) for r in disp if r.get(f"{impl}_ms")]
+            if pts:
+                ax.plot(*zip(*pts), style, label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="ms",
+               title=f"ranged_dispatch ({wl}, {disp[0]['n_ids'] if disp else 0} ids)")  # fmt: skip
+        ax.set_xticks(WORLD_SIZES, [str(w) for w in WORLD_SIZES])
+        ax.legend()
+        ax = axes[1][col]
+        for op in (
+            "ranged_dispatch",
+            "ranged_combine",
+            "ranged_combine_backward",
+            "keyed_transpose",
+        ):
+            pts = [
+                (r["world_size"], r["speedup_vs_naive"])
+                for r in rows
+                if r["workload"] == wl and r["op"] == op and r.get("speedup_vs_naive")
+            ]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=op)
+        ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="naive eager / Triton",
+               title=f"Triton speedup over naive eager ({wl})")  # fmt: skip
+        ax.set_xticks(WORLD_SIZES, [str(w) for w in WORLD_SIZES])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--git-sha", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dim", type=int, default=EMBEDDING_DIM)
+    parser.add_argument("--budget-s", type=float, default=200.0, help="global time budget")
+    parser.add_argument("--naive-budget-s", type=float, default=3.0, help="per naive timing")
+    parser.add_argument("--cpu-reps", type=int, default=3)
+    parser.add_argument("--no-large", action="store_true", help="skip the 2^26-id workload")
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    use_triton = triton_available() and (cuda or interpret)
+    if not cuda and not args.smoke:
+        print("no CUDA device: running the smoke configuration", file=sys.stderr)
+        args.smoke = True
+    if args.smoke:
+        torch.set_num_threads(1)
+        worlds = [8, 32, 1024]
+        workloads = [("per_rank", 8, None), ("large", 16, 4096)]
+        args.dim = min(args.dim, 16)
+        args.check_naive_max_ids = 1 << 62
+    else:
+        worlds = WORLD_SIZES
+        workloads = [("per_rank", 128, None)]
+        if not args.no_large:
+            workloads.append(("large", 8192, 1 << 26))
+        args.check_naive_max_ids = 1 << 21  # naive checks are slow at 2^26 ids
+
+    runner = Runner(args, device, use_triton)
+    runner.bandwidth = copy_bandwidth(device, (1 << 30) if cuda else (1 << 24))
+    print(f"device copy bandwidth {runner.bandwidth / 1e9:.1f} GB/s; triton={use_triton}")
+    status = 0
+    try:
+        for i, (name, batch, total) in enumerate(workloads):
+            wl = make_workload(name, batch, total, device, args.seed + i, args.smoke)
+            runner.run_workload(wl, worlds)
+            del wl
+    except Mismatch as exc:
+        print(f"ABORT: {exc}", file=sys.stderr)
+        runner.notes.append(f"ABORTED: {exc}")
+        status = 1
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "figure": "kernels",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "git_sha": _git_sha(args.git_sha),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv] if argv is None else ["python", *argv]),
+        "smoke": args.smoke,
+        "triton": use_triton,
+        "torch": torch.__version__,
+        "copy_bandwidth_gbps": runner.bandwidth / 1e9,
+        "rows": runner.rows,
+        "headline": _headline(runner.rows),
+        "notes": sorted(set(runner.notes)),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+        "valid": status == 0,
+    }
+    (args.out / "kernels.json").write_text(json.dumps(result, indent=2) + "\n")
+    plotted = _plot(runner.rows, args.out / "kernels.png") if runner.rows else False
+    print(f"wrote {args.out / 'kernels.json'}" + (" and kernels.png" if plotted else ""))
+    print(json.dumps(result["headline"], indent=2))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
