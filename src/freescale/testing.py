@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["DistPool", "RankFailure"]
 
@@ -52,6 +53,8 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, pg_timeout: f
         tid, fn, args, kwargs = item
         try:
             out = fn(rank, world, *args, **kwargs)
+            # pickle here: an unpicklable result must fail this task, not the queue thread
+            ForkingPickler.dumps(out)
             results.put((tid, rank, True, out))
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             results.put((tid, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -65,7 +65,8 @@ class FusedSparseOptimizer:
         w = self.weight.index_select(0, rows)
         grad = grad.to(w.dtype)
         if cfg.kind == "sgd":
-            new_w = w - lr * grad
+            # one rounding (w + (-lr) * g fused), as fbgemm's EXACT_SGD
+            new_w = torch.add(w, grad, alpha=-lr)
         elif cfg.kind == "rowwise_adagrad":
             s = self.state["sum_sq"].index_select(0, rows) + row_mean_fixed_order(grad * grad)
             self.state["sum_sq"].index_copy_(0, rows, s)

@@ -20,6 +20,7 @@ It may not touch embeddings or communication; it sees embedded tensors only.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -164,12 +165,16 @@ def _attention_flex(
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
+        # dynamic shapes: one compilation serves every token count (measured on H200:
+        # same step time as static shapes, no recompilation when the bucket changes)
+        dynamic = os.environ.get("FREESCALE_FLEX_DYNAMIC", "1") == "1"
+        _FLEX_CACHE["dynamic"] = dynamic
+        _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=dynamic)
     fn = _FLEX_CACHE["fn"]
     t, h, dh = q.shape
     if t == 0:
         return q.new_zeros(q.shape)
-    tp = flex_bucket(t)
+    tp = -(-t // FLEX_BLOCK) * FLEX_BLOCK if _FLEX_CACHE["dynamic"] else flex_bucket(t)
     block_mask = document_causal_block_mask(lengths, tp)
 
     def pad(x: torch.Tensor) -> torch.Tensor:
