@@ -19,10 +19,10 @@ import queue
 import tempfile
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["DistPool", "RankFailure"]
 
