@@ -1,0 +1,131 @@
+"""Dispatcher for the jagged index ops: picks a backend per call and nothing else.
+
+Owns: the public signatures of `ranged_dispatch`, `ranged_combine`,
+`ranged_combine_backward`, `indexed_permute` and `keyed_transpose`, backend resolution
+(argument > ``$FREESCALE_KERNEL_BACKEND`` > device default: Triton on CUDA, reference on
+CPU) and the autograd wiring of `ranged_combine`. Semantics live in `reference.py`;
+triton is imported lazily, only when the Triton backend is chosen.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from freescale.kernels import reference, vectorized
+from freescale.kernels.common import Backend, DispatchMode, DispatchResult, resolve_backend
+
+
+def _backend_module(backend: Backend, device: torch.device) -> ModuleType:
+    name = resolve_backend(backend, device)
+    if name == "triton":
+        from freescale.kernels import triton_impl
+
+        return triton_impl
+    return vectorized if name == "vectorized" else reference
+
+
+def ranged_dispatch(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    block_sizes: torch.Tensor,
+    world_size: int,
+    *,
+    mode: DispatchMode = "block",
+    weights: Optional[torch.Tensor] = None,
+    backend: Backend = "auto",
+) -> DispatchResult:
+    """Bucket key-major jagged ids into `world_size` owner ranges (shard-major output).
+
+    Semantics of fbgemm's ``block_bucketize_sparse_features(lengths, values,
+    bucketize_pos=False, sequence=True, block_sizes, world_size, weights)``:
+    `lengths` (K*B,) is [key][sample]; `block_sizes` (K,) rows per rank for each key.
+    Block mode: id i of key k with blk = block_sizes[k] goes to owner i // blk as local
+    row i - owner*blk if i < blk*W, else to owner i % W as local row i // W.
+    Modulo mode: owner i % W, local i // W (block_sizes only gives K).
+    Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
+    """
+    impl = _backend_module(backend, values.device)
+    return impl.ranged_dispatch(
+        values, lengths, block_sizes, world_size, mode=mode, weights=weights
+    )
+
+
+class _RangedCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, unbucketize_permute, impl):  # noqa: D102
+        ctx.save_for_backward(unbucketize_permute)
+        ctx.impl = impl
+        return impl.ranged_combine(rows, unbucketize_permute)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (unbucketize_permute,) = ctx.saved_tensors
+        return ctx.impl.ranged_combine_backward(grad.contiguous(), unbucketize_permute), None, None
+
+
+def ranged_combine(
+    rows: torch.Tensor, unbucketize_permute: torch.Tensor, *, backend: Backend = "auto"
+) -> torch.Tensor:
+    """Rows received in shard-major order -> batch-major: ``out[i] = rows[perm[i]]``.
+
+    `rows` is (N, ...) (e.g. (N, D) embeddings), `unbucketize_permute` the (N,) permutation
+    from `ranged_dispatch`. Differentiable: the gradient is `ranged_combine_backward`.
+    """
+    impl = _backend_module(backend, rows.device)
+    if rows.requires_grad and torch.is_grad_enabled():
+        return _RangedCombine.apply(rows, unbucketize_permute, impl)
+    return impl.ranged_combine(rows, unbucketize_permute)
+
+
+def ranged_combine_backward(
+    grad: torch.Tensor, unbucketize_permute: torch.Tensor, *, backend: Backend = "auto"
+) -> torch.Tensor:
+    """Batch-major gradients -> shard-major: ``out[perm[i]] = grad[i]`` (no accumulation)."""
+    impl = _backend_module(backend, grad.device)
+    return impl.ranged_combine_backward(grad, unbucketize_permute)
+
+
+def indexed_permute(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    permuted_lengths_sum: Optional[int] = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """fbgemm's ``permute_2D_sparse_data``: row t of the output is row ``permute[t]``.
+
+    `lengths` (T, B) row-major, `values`/`weights` (N,) in that order; `permute` (T',)
+    may repeat or drop rows. Returns (lengths (T', B), values, weights or None).
+    Pass `permuted_lengths_sum` (the output value count) to avoid a device sync.
+    To shuffle samples, view lengths as (T*B, 1) and permute the T*B segments.
+    """
+    impl = _backend_module(backend, values.device)
+    return impl.indexed_permute(permute, lengths, values, weights, permuted_lengths_sum)
+
+
+def keyed_transpose(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    batch_sizes: Optional[torch.Tensor] = None,
+    num_keys: Optional[int] = None,
+    inverse: bool = False,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """[rank][key][sample] <-> [key][rank][sample] for jagged data (TorchRec's "recat").
+
+    Fixed batch: `lengths` (W, K, B) -> returns lengths (K, W, B) with values/weights
+    reordered; calling it again on the result undoes it. Variable batch per rank:
+    `lengths` 1-D as [rank w][key k][sample b < batch_sizes[w]], `num_keys` = K;
+    returns [k][w][b]; ``inverse=True`` maps [k][w][b] back to [w][k][b]. No device sync.
+    """
+    impl = _backend_module(backend, values.device)
+    return impl.keyed_transpose(
+        lengths, values, weights, batch_sizes=batch_sizes, num_keys=num_keys, inverse=inverse
+    )

@@ -1,0 +1,433 @@
+"""Triton kernels for the jagged index ops (the GPU fast path).
+
+Owns: the Triton kernels and the few PyTorch glue ops between them (cumsum scans, small
+index tables). Results are bitwise identical to `reference.py` and to themselves run to
+run: no float atomics, no atomics at all, every output element is written by exactly one
+program. Offsets into id / row arrays are int64. On CPU tensors this module needs
+``TRITON_INTERPRET=1`` set before triton is first imported.
+
+Ranged dispatch is a stable counting sort by owner, in two passes over "tiles" (chunks
+of at most TILE ids that never cross a segment boundary):
+1. count: per tile, a histogram of owners -> counts[tile, W];
+2. scan (torch): cumsum over tiles -> ids of each owner in earlier tiles; owner starts;
+3. scatter: per tile, sort (owner, lane) pairs (stable by construction), rank each id
+   within its owner's run, write it at owner start + earlier tiles + rank.
+Because tiles never cross segments, the per-(owner, segment) output lengths are
+differences of the scanned counts at each segment's first tile. Work per id is
+O(log^2 TILE) (bitonic sort) and O(W) per tile, never O(W) per id.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from freescale.kernels import reference
+from freescale.kernels.common import DispatchResult, check_dispatch_inputs
+from freescale.kernels.reference import exclusive_cumsum
+
+# ---------------------------------------------------------------------------------------
+# ranged dispatch
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _owner(ids, blk, world_size, MODULO: tl.constexpr):
+    if MODULO:
+        owner = ids % world_size
+    else:
+        owner = tl.where(ids < blk * world_size, ids // blk, ids % world_size)
+    return owner
+
+
+@triton.jit
+def _run_count(dest_a, count_a, dest_b, count_b):
+    # Segmented count over a sorted sequence: (last dest, length of its trailing run).
+    return dest_b, tl.where(dest_a == dest_b, count_a + count_b, count_b)
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_tiles"])
+def _tile_table_kernel(
+    seg_offsets_ptr,
+    tile_first_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    num_segments,
+    num_tiles,
+    TILE: tl.constexpr,
+    SEARCH_ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Tile j -> (segment, first id, end id); spare tiles past the last one are empty."""
+    tile = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_grid = tile < num_tiles
+    # seg = last s in [0, num_segments] with tile_first[s] <= tile (binary search).
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = lo + num_segments + 1
+    for _ in tl.static_range(SEARCH_ITERS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        go_right = tl.load(tile_first_ptr + mid, mask=active & in_grid, other=0) <= tile
+        lo = tl.where(active & go_right, mid + 1, lo)
+        hi = tl.where(active & ~go_right, mid, hi)
+    used = tile < tl.load(tile_first_ptr + num_segments)
+    seg = tl.minimum(lo - 1, num_segments - 1)
+    first = tl.load(tile_first_ptr + seg, mask=in_grid, other=0)
+    start = tl.load(seg_offsets_ptr + seg, mask=in_grid, other=0) + (tile - first) * TILE
+    end = tl.minimum(start + TILE, tl.load(seg_offsets_ptr + seg + 1, mask=in_grid, other=0))
+    tl.store(tile_seg_ptr + tile, seg, mask=in_grid)
+    tl.store(tile_start_ptr + tile, start, mask=in_grid)
+    tl.store(tile_end_ptr + tile, tl.where(used, end, start), mask=in_grid)
+
+
+@triton.jit
+def _tile_ids(
+    values_ptr,
+    block_sizes_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    batch,
+    TILE: tl.constexpr,
+):
+    """This program's tile: first id, lane mask, block size and the ids."""
+    pid = tl.program_id(0)
+    seg = tl.load(tile_seg_ptr + pid)
+    start = tl.load(tile_start_ptr + pid)
+    end = tl.load(tile_end_ptr + pid)
+    lane = tl.arange(0, TILE)
+    offs = start + lane
+    mask = offs < end
+    blk = tl.load(block_sizes_ptr + seg // batch).to(tl.int64)
+    ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
+    return pid, start, lane, mask, blk, ids
+
+
+@triton.jit(do_not_specialize=["batch", "world_size"])
+def _dispatch_count_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    counts_ptr,
+    batch,
+    world_size,
+    MODULO: tl.constexpr,
+    TILE: tl.constexpr,
+    WP: tl.constexpr,
+):
+    pid, start, lane, mask, blk, ids = _tile_ids(
+        values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
+    )
+    dest = _owner(ids, blk, world_size, MODULO).to(tl.int32)
+    hist = tl.histogram(dest, WP, mask=mask)
+    bins = tl.arange(0, WP)
+    tl.store(counts_ptr + pid.to(tl.int64) * world_size + bins, hist, mask=bins < world_size)
+
+
+@triton.jit(do_not_specialize=["batch", "world_size"])
+def _dispatch_scatter_kernel(
+    values_ptr,
+    weights_ptr,
+    block_sizes_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    earlier_ptr,
+    dest_start_ptr,
+    out_values_ptr,
+    out_weights_ptr,
+    perm_ptr,
+    batch,
+    world_size,
+    MODULO: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    pid, start, lane, mask, blk, ids = _tile_ids(
+        values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
+    )
+    dest = _owner(ids, blk, world_size, MODULO).to(tl.int32)
+    dest = tl.where(mask, dest, world_size)  # padding lanes sort last
+    # Sorting (dest, lane) keys is a stable sort by dest; keys are unique.
+    keys = tl.sort(dest * TILE + lane)
+    sdest = keys // TILE
+    slane = keys % TILE
+    _, run = tl.associative_scan((sdest, tl.full([TILE], 1, tl.int32)), 0, _run_count)
+    valid = sdest < world_size
+    base = tl.load(earlier_ptr + pid.to(tl.int64) * world_size + sdest, mask=valid, other=0)
+    base += tl.load(dest_start_ptr + sdest, mask=valid, other=0)
+    pos = base.to(tl.int64) + (run - 1)
+    src = start + slane
+    ids_sorted = tl.load(values_ptr + src, mask=valid, other=0).to(tl.int64)
+    if MODULO:
+        local = ids_sorted // world_size
+    else:
+        in_range = ids_sorted < blk * world_size
+        local = tl.where(in_range, ids_sorted - sdest.to(tl.int64) * blk, ids_sorted // world_size)
+    tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=valid)
+    tl.store(perm_ptr + src, pos, mask=valid)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + src, mask=valid)
+        tl.store(out_weights_ptr + pos, w, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_segments", "world_size"])
+def _segment_lengths_kernel(
+    earlier_ptr,
+    tile_first_ptr,
+    out_ptr,
+    num_segments,
+    world_size,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[d * S + s] = earlier[tile_first[s + 1], d] - earlier[tile_first[s], d]."""
+    seg = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dest = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    seg_mask = seg < num_segments
+    mask = seg_mask[:, None] & (dest < world_size)[None, :]
+    first = tl.load(tile_first_ptr + seg, mask=seg_mask, other=0)
+    after = tl.load(tile_first_ptr + seg + 1, mask=seg_mask, other=0)
+    lo = tl.load(earlier_ptr + first[:, None] * world_size + dest[None, :], mask=mask, other=0)
+    hi = tl.load(earlier_ptr + after[:, None] * world_size + dest[None, :], mask=mask, other=0)
+    out_offs = dest[None, :].to(tl.int64) * num_segments + seg[:, None]
+    tl.store(out_ptr + out_offs, (hi - lo).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_tile(world_size: int, device: torch.device) -> int:
+    """Ids per tile: larger tiles for larger W keep the counts matrix (tiles x W) small.
+
+    On CPU (interpreter mode) tiles are tiny: interpreting a 1024-wide sort takes seconds.
+    """
+    if device.type == "cpu":
+        return 32
+    return 1024 if world_size <= 64 else 2048
+
+
+def ranged_dispatch(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    block_sizes: torch.Tensor,
+    world_size: int,
+    *,
+    mode: str = "block",
+    weights: Optional[torch.Tensor] = None,
+    tile: Optional[int] = None,
+) -> DispatchResult:
+    """Triton `ranged_dispatch` (same semantics as `reference.ranged_dispatch`).
+
+    `tile` (a power of two) overrides the ids per tile; tests use small tiles to cover
+    segments spanning several tiles at small sizes.
+    """
+    num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
+    n, nseg, dev = values.numel(), num_keys * batch, values.device
+    if n == 0:
+        return reference.ranged_dispatch(
+            values, lengths, block_sizes, world_size, mode=mode, weights=weights
+        )
+    tile = tile or default_tile(world_size, dev)
+    if tile & (tile - 1) or tile < 16:
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if (world_size + 1) * tile >= 2**31:
+        raise ValueError(f"world_size {world_size} too large for tile {tile}")
+    values, block_sizes = values.contiguous(), block_sizes.contiguous()
+    weights = None if weights is None else weights.contiguous()
+
+    # Tiles: chunks of <= tile ids inside one segment; segment s owns the tiles
+    # [tile_first[s], tile_first[s+1]); a few spare tiles at the end stay empty.
+    seg_offsets = exclusive_cumsum(lengths)
+    tiles_per_segment = torch.div(lengths.to(torch.int64) + (tile - 1), tile, rounding_mode="floor")
+    tile_first = exclusive_cumsum(tiles_per_segment)
+    grid = (n + nseg * (tile - 1)) // tile + 1  # >= tiles used + 1: the last one is empty
+    tile_seg = torch.empty(grid, dtype=torch.int32, device=dev)
+    tile_start = torch.empty(grid, dtype=torch.int64, device=dev)
+    tile_end = torch.empty(grid, dtype=torch.int64, device=dev)
+    _tile_table_kernel[(triton.cdiv(grid, 1024),)](
+        seg_offsets, tile_first, tile_seg, tile_start, tile_end, nseg, grid,
+        TILE=tile, SEARCH_ITERS=(nseg + 1).bit_length() + 1, BLOCK=1024, num_warps=4,
+    )  # fmt: skip
+    tiles = (tile_seg, tile_start, tile_end)
+    common = dict(MODULO=mode == "modulo", TILE=tile, num_warps=4 if tile <= 1024 else 8)
+
+    counts = torch.empty((grid, world_size), dtype=torch.int32, device=dev)
+    _dispatch_count_kernel[(grid,)](
+        values, block_sizes, *tiles, counts, batch, world_size,
+        WP=max(32, triton.next_power_of_2(world_size)), **common,
+    )  # fmt: skip
+
+    # Scan: earlier[t, d] = ids of owner d in tiles before t (the last row: totals).
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    earlier = torch.cumsum(counts, 0, dtype=index_dtype)
+    earlier -= counts
+    totals = earlier[-1]
+    dest_start = torch.cumsum(totals, 0, dtype=index_dtype) - totals
+
+    out_values = torch.empty_like(values)
+    out_weights = None if weights is None else torch.empty_like(weights)
+    perm = torch.empty(n, dtype=torch.int64, device=dev)
+    _dispatch_scatter_kernel[(grid,)](
+        values, values if weights is None else weights, block_sizes, *tiles, earlier,
+        dest_start, out_values, out_values if out_weights is None else out_weights, perm,
+        batch, world_size, HAS_WEIGHTS=weights is not None, **common,
+    )  # fmt: skip
+
+    # Ids of segment s for owner d: the scan at s's first tile minus the one at s+1's.
+    new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
+    _segment_lengths_kernel[(triton.cdiv(nseg, 32), triton.cdiv(world_size, 64))](
+        earlier, tile_first, new_lengths, nseg, world_size, BLOCK_S=32, BLOCK_D=64,
+    )  # fmt: skip
+    return DispatchResult(
+        values=out_values,
+        lengths=new_lengths,
+        splits=totals.to(torch.int64),
+        key_counts=new_lengths.view(world_size, num_keys, batch).sum(2, dtype=torch.int64),
+        unbucketize_permute=perm,
+        weights=out_weights,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# ranged combine (row gather / scatter)
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_copy_kernel(
+    src_ptr,
+    dst_ptr,
+    index_ptr,
+    n_rows,
+    row_width,
+    SCATTER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_mask = rows < n_rows
+    index = tl.load(index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    if SCATTER:
+        src_rows, dst_rows = rows, index
+    else:
+        src_rows, dst_rows = index, rows
+    mask = row_mask[:, None] & (cols < row_width)[None, :]
+    x = tl.load(src_ptr + src_rows[:, None] * row_width + cols[None, :], mask=mask)
+    tl.store(dst_ptr + dst_rows[:, None] * row_width + cols[None, :], x, mask=mask)
+
+
+def _row_copy(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor:
+    n = x.shape[0]
+    if index.numel() != n:
+        raise ValueError(f"unbucketize_permute has {index.numel()} entries, rows have {n}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out
+    src = x.contiguous()
+    width = src.numel() // n
+    block_d = min(triton.next_power_of_2(width), 256)
+    block_r = max(1, 4096 // block_d)
+    grid = (triton.cdiv(n, block_r), triton.cdiv(width, block_d))
+    _row_copy_kernel[grid](
+        src, out, index.contiguous(), n, width,
+        SCATTER=scatter, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def ranged_combine(rows: torch.Tensor, unbucketize_permute: torch.Tensor) -> torch.Tensor:
+    """Triton ``out[i] = rows[perm[i]]`` (rows (N, ...), any dtype)."""
+    return _row_copy(rows, unbucketize_permute, scatter=False)
+
+
+def ranged_combine_backward(grad: torch.Tensor, unbucketize_permute: torch.Tensor) -> torch.Tensor:
+    """Triton ``out[perm[i]] = grad[i]`` (perm is a permutation: one writer per row)."""
+    return _row_copy(grad, unbucketize_permute, scatter=True)
+
+
+# ---------------------------------------------------------------------------------------
+# block gather: indexed permute and keyed transpose
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_blocks_kernel(
+    src_ptr,
+    dst_ptr,
+    starts_ptr,
+    out_offsets_ptr,
+    n_blocks,
+    n_out,
+    N_ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = pos < n_out
+    # Upper bound: first j in [0, n_blocks] with out_offsets[j] > pos; the block is j - 1.
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + (n_blocks + 1)
+    for _ in tl.static_range(N_ITERS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(out_offsets_ptr + mid, mask=active & mask, other=0) <= pos
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    block = lo - 1
+    out_start = tl.load(out_offsets_ptr + block, mask=mask, other=0)
+    src = tl.load(starts_ptr + block, mask=mask, other=0) + (pos - out_start)
+    tl.store(dst_ptr + pos, tl.load(src_ptr + src, mask=mask), mask=mask)
+
+
+def gather_blocks(
+    x: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor, out_size: int
+) -> torch.Tensor:
+    """Triton `reference.gather_blocks`: concatenate ``x[starts[j] : starts[j] + sizes[j]]``."""
+    out = torch.empty(out_size, dtype=x.dtype, device=x.device)
+    if out_size == 0:
+        return out
+    n_blocks = sizes.numel()
+    block = 1024
+    _gather_blocks_kernel[(triton.cdiv(out_size, block),)](
+        x.contiguous(), out, starts.to(torch.int64).contiguous(), exclusive_cumsum(sizes),
+        n_blocks, out_size, N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def indexed_permute(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    permuted_lengths_sum: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Triton `indexed_permute` (fbgemm's permute_2D_sparse_data semantics)."""
+    return reference.indexed_permute_with(
+        gather_blocks, permute, lengths, values, weights, permuted_lengths_sum
+    )
+
+
+def keyed_transpose(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    batch_sizes: Optional[torch.Tensor] = None,
+    num_keys: Optional[int] = None,
+    inverse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Triton `keyed_transpose` ([rank][key][sample] <-> [key][rank][sample])."""
+    return reference.keyed_transpose_with(
+        gather_blocks,
+        lengths,
+        values,
+        weights,
+        batch_sizes=batch_sizes,
+        num_keys=num_keys,
+        inverse=inverse,
+    )

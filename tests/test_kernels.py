@@ -1,0 +1,378 @@
+"""Jagged index kernels: every backend against the reference, the reference against fbgemm.
+
+Fresh random inputs each run; each test prints its seed (shown by pytest on failure;
+replay with FREESCALE_TEST_SEED=<seed>). Triton runs in interpreter mode on CPU, so its
+cases are small. fbgemm is optional: tests that need it skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_impl is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freescale.kernels import (  # noqa: E402
+    BACKEND_ENV_VAR,
+    indexed_permute,
+    keyed_transpose,
+    naive,
+    ranged_combine,
+    ranged_combine_backward,
+    ranged_dispatch,
+    reference,
+    vectorized,
+)
+from freescale.kernels.common import resolve_backend, triton_available  # noqa: E402
+
+try:
+    from _kernel_cases import (
+        SEED_ENV_VAR,
+        assert_dispatch_equal,
+        fresh_seed,
+        oracle_dispatch,
+        random_dispatch_case,
+        random_permute_case,
+    )
+except ImportError:  # tests/ imported as a package
+    from tests._kernel_cases import (
+        SEED_ENV_VAR,
+        assert_dispatch_equal,
+        fresh_seed,
+        oracle_dispatch,
+        random_dispatch_case,
+        random_permute_case,
+    )
+
+torch.set_num_threads(1)
+
+try:
+    import fbgemm_gpu  # noqa: F401
+
+    HAVE_FBGEMM = hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features")
+except Exception:  # noqa: BLE001 - any import failure means "no fbgemm here"
+    HAVE_FBGEMM = False
+
+needs_fbgemm = pytest.mark.skipif(
+    not HAVE_FBGEMM, reason="fbgemm_gpu not installed (GPU machines have none); oracle tests"
+)
+needs_triton = pytest.mark.skipif(
+    not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="triton missing, or TRITON_INTERPRET was not 1 when this module was imported",
+)
+
+INDEX_DTYPES = [torch.int32, torch.int64]
+WORLD_SIZES = [1, 2, 3, 7, 8, 64, 1024]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = fresh_seed()
+    print(f"seed={seed} (replay with {SEED_ENV_VAR}={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def _triton():
+    from freescale.kernels import triton_impl
+
+    return triton_impl
+
+
+def _dtypes(i: int) -> dict:
+    return {"values_dtype": INDEX_DTYPES[i % 2], "lengths_dtype": INDEX_DTYPES[(i // 2) % 2]}
+
+
+# ----------------------------------------------------------------- ranged dispatch
+
+
+@needs_fbgemm
+def test_dispatch_reference_matches_fbgemm(gen):
+    op = torch.ops.fbgemm.block_bucketize_sparse_features
+    for i in range(60):
+        world = WORLD_SIZES[i % len(WORLD_SIZES)]
+        case = random_dispatch_case(gen, world, with_weights=i % 3 == 0, **_dtypes(i))
+        got = reference.ranged_dispatch(
+            case.values, case.lengths, case.block_sizes, world, weights=case.weights
+        )
+        new_lengths, new_values, new_weights, _, permute = op(
+            case.lengths, case.values, False, True, case.block_sizes, world, case.weights
+        )
+        ctx = case.describe()
+        assert got.lengths.dtype == new_lengths.dtype and torch.equal(got.lengths, new_lengths), ctx
+        assert got.values.dtype == new_values.dtype and torch.equal(got.values, new_values), ctx
+        assert torch.equal(got.unbucketize_permute, permute.to(torch.int64)), ctx
+        if case.weights is not None:
+            assert torch.equal(got.weights, new_weights), ctx
+
+
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_dispatch_reference_matches_oracle(gen, mode):
+    for i in range(40):
+        world = WORLD_SIZES[i % len(WORLD_SIZES)]
+        case = random_dispatch_case(gen, world, **_dtypes(i))
+        got = reference.ranged_dispatch(
+            case.values, case.lengths, case.block_sizes, world, mode=mode
+        )
+        values, lengths, permute = oracle_dispatch(
+            case.values, case.lengths, case.block_sizes, world, mode
+        )
+        ctx = case.describe()
+        assert got.values.tolist() == values, ctx
+        assert got.lengths.tolist() == lengths, ctx
+        assert got.unbucketize_permute.tolist() == permute, ctx
+        per_dest = got.lengths.view(world, -1).sum(1)
+        assert torch.equal(got.splits, per_dest), ctx
+        assert got.key_counts.shape == (world, case.block_sizes.numel()), ctx
+        assert torch.equal(got.key_counts.sum(1), got.splits), ctx
+
+
+@pytest.mark.parametrize("impl", [vectorized, naive], ids=["vectorized", "naive"])
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_dispatch_baselines_match_reference(gen, impl, mode):
+    for i in range(30):
+        world = WORLD_SIZES[i % len(WORLD_SIZES)]
+        case = random_dispatch_case(gen, world, with_weights=i % 2 == 0, **_dtypes(i))
+        args = (case.values, case.lengths, case.block_sizes, world)
+        expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
+        actual = impl.ranged_dispatch(*args, mode=mode, weights=case.weights)
+        assert_dispatch_equal(expected, actual, case.describe())
+
+
+@needs_triton
+@pytest.mark.parametrize("world", [1, 3, 8, 1024])
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_dispatch_triton_matches_reference(gen, world, mode):
+    triton_impl = _triton()
+    for i, tile in enumerate((16, None, 64)):  # 16: segments span several tiles
+        case = random_dispatch_case(
+            gen, world, max_batch=8, max_len=70, with_weights=i != 1, **_dtypes(world + i)
+        )
+        args = (case.values, case.lengths, case.block_sizes, world)
+        expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
+        actual = triton_impl.ranged_dispatch(*args, mode=mode, weights=case.weights, tile=tile)
+        assert_dispatch_equal(expected, actual, f"tile={tile} {case.describe()}")
+
+
+def test_dispatch_vectorized_large(gen):
+    for world in (64, 1024):
+        case = random_dispatch_case(gen, world, max_keys=4, max_batch=64, max_len=400)
+        args = (case.values, case.lengths, case.block_sizes, world)
+        expected = reference.ranged_dispatch(*args)
+        assert_dispatch_equal(expected, vectorized.ranged_dispatch(*args), case.describe())
+
+
+@needs_triton
+def test_dispatch_forced_triton_through_dispatcher(gen, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    case = random_dispatch_case(gen, 5, max_len=20, values_dtype=torch.int32)
+    args = (case.values, case.lengths, case.block_sizes, 5)
+    assert_dispatch_equal(reference.ranged_dispatch(*args), ranged_dispatch(*args), "env")
+    monkeypatch.delenv(BACKEND_ENV_VAR)
+    got = ranged_dispatch(*args, backend="triton")
+    assert_dispatch_equal(reference.ranged_dispatch(*args), got, "arg")
+
+
+@pytest.mark.parametrize("backend", ["reference", "vectorized", "triton"])
+def test_dispatch_empty_inputs(backend):
+    if backend == "triton" and (not triton_available() or os.environ["TRITON_INTERPRET"] != "1"):
+        pytest.skip("triton interpreter unavailable")
+    for lengths, blocks in (([0, 0, 0, 0], [3, 4]), ([], [5]), ([], [])):
+        for dtype in INDEX_DTYPES:
+            got = ranged_dispatch(
+                torch.zeros(0, dtype=dtype),
+                torch.tensor(lengths, dtype=dtype),
+                torch.tensor(blocks, dtype=dtype),
+                4,
+                backend=backend,
+            )
+            assert got.values.numel() == 0 and got.values.dtype == dtype
+            assert got.lengths.tolist() == lengths * 4
+            assert got.splits.tolist() == [0] * 4
+            assert got.key_counts.shape == (4, len(blocks))
+
+
+def test_dispatch_rejects_bad_arguments():
+    ids, lens, blocks = torch.zeros(2, dtype=torch.int64), torch.tensor([1, 1]), torch.tensor([4])
+    with pytest.raises(ValueError):
+        ranged_dispatch(ids, lens, blocks, 0)
+    with pytest.raises(ValueError):
+        ranged_dispatch(ids, lens, blocks, 2, mode="cyclic")
+    with pytest.raises(TypeError):
+        ranged_dispatch(ids.float(), lens, blocks, 2)
+    with pytest.raises(ValueError):
+        ranged_dispatch(ids, torch.tensor([1, 1, 0]), torch.tensor([4, 4]), 2)
+
+
+# ----------------------------------------------------------------- ranged combine
+
+COMBINE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _combine_backends():
+    backends = ["reference", "vectorized"]
+    if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
+        backends.append("triton")
+    return backends
+
+
+@pytest.mark.parametrize("dtype", COMBINE_DTYPES)
+def test_combine_backends_match_reference(gen, dtype):
+    for width in (1, 33, 300):
+        case = random_dispatch_case(gen, 4, max_len=20)
+        result = reference.ranged_dispatch(case.values, case.lengths, case.block_sizes, 4)
+        perm, n = result.unbucketize_permute, case.values.numel()
+        rows = torch.randn(n, width, generator=gen).to(dtype)
+        fwd = rows[torch.argsort(perm)] if n else rows  # shard-major -> batch-major is rows
+        splits = result.splits.tolist()
+        for backend in _combine_backends():
+            out = ranged_combine(fwd, perm, backend=backend)
+            assert out.dtype == dtype and torch.equal(out, rows), (backend, width)
+            back = ranged_combine_backward(rows, perm, backend=backend)
+            assert torch.equal(back, fwd), (backend, width)
+        assert torch.equal(naive.ranged_combine(fwd, perm, splits), rows)
+        assert torch.equal(naive.ranged_combine_backward(rows, perm, splits), fwd)
+
+
+@pytest.mark.parametrize("backend", _combine_backends())
+def test_combine_autograd_is_the_backward_op(gen, backend):
+    n, width = 57, 16
+    perm = torch.randperm(n, generator=gen)
+    rows = torch.randn(n, width, generator=gen, requires_grad=True)
+    grad = torch.randn(n, width, generator=gen)
+    ranged_combine(rows, perm, backend=backend).backward(grad)
+    assert torch.equal(rows.grad, reference.ranged_combine_backward(grad, perm))
+
+
+# ----------------------------------------------------------------- indexed permute
+
+
+@needs_fbgemm
+def test_permute_reference_matches_fbgemm(gen):
+    for i in range(40):
+        permute, lengths, values, weights = random_permute_case(gen, **_dtypes(i))
+        w = weights if i % 2 else None
+        expected = torch.ops.fbgemm.permute_2D_sparse_data(permute, lengths, values, w)
+        actual = reference.indexed_permute(permute, lengths, values, w)
+        for e, a in zip(expected, actual):
+            assert (e is None and a is None) or (e.dtype == a.dtype and torch.equal(e, a))
+
+
+@pytest.mark.parametrize("backend", ["vectorized", "triton", "naive"])
+def test_permute_backends_match_reference(gen, backend):
+    if backend == "triton" and not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
+        pytest.skip("triton interpreter unavailable")
+    for i in range(12):
+        permute, lengths, values, weights = random_permute_case(gen, **_dtypes(i))
+        w = weights if i % 2 else None
+        expected = reference.indexed_permute(permute, lengths, values, w)
+        if backend == "naive":
+            actual = naive.indexed_permute(permute, lengths, values, w)
+        else:
+            size = int(expected[0].sum()) if i % 3 == 0 else None
+            actual = indexed_permute(
+                permute, lengths, values, w, permuted_lengths_sum=size, backend=backend
+            )
+        for e, a in zip(expected, actual):
+            assert (e is None and a is None) or (e.dtype == a.dtype and torch.equal(e, a)), i
+
+
+# ----------------------------------------------------------------- keyed transpose
+
+
+def _fixed_transpose_case(gen, dtype=torch.int64):
+    world, keys, batch = (int(x) for x in torch.randint(1, 5, (3,), generator=gen))
+    lengths = torch.randint(0, 6, (world, keys, batch), generator=gen).to(dtype)
+    lengths[torch.rand(lengths.shape, generator=gen) < 0.3] = 0
+    n = int(lengths.sum())
+    return lengths, torch.randint(0, 1000, (n,), generator=gen), torch.rand(n, generator=gen)
+
+
+@needs_fbgemm
+def test_transpose_reference_matches_fbgemm_recat(gen):
+    for i in range(20):
+        lengths, values, weights = _fixed_transpose_case(gen, INDEX_DTYPES[i % 2])
+        world, keys, batch = lengths.shape
+        recat = torch.tensor([w * keys + k for k in range(keys) for w in range(world)])
+        expected = torch.ops.fbgemm.permute_2D_sparse_data(
+            recat.to(torch.int32), lengths.view(world * keys, batch), values, weights
+        )
+        out_lengths, out_values, out_weights = reference.keyed_transpose(lengths, values, weights)
+        assert out_lengths.shape == (keys, world, batch)
+        assert torch.equal(out_lengths.view(keys * world, batch), expected[0])
+        assert torch.equal(out_values, expected[1]) and torch.equal(out_weights, expected[2])
+
+
+def _variable_transpose_oracle(lengths, values, batch_sizes, keys):
+    """Python loops: cut [rank][key][sample] into blocks, re-concatenate key-major."""
+    blocks, row, pos = {}, 0, 0
+    for a, b in enumerate(batch_sizes.tolist()):
+        for k in range(keys):
+            seg = lengths[row : row + b]
+            n = int(seg.sum())
+            blocks[a, k] = (seg, values[pos : pos + n])
+            row, pos = row + b, pos + n
+    order = [(a, k) for k in range(keys) for a in range(batch_sizes.numel())]
+    return torch.cat([blocks[o][0] for o in order]), torch.cat([blocks[o][1] for o in order])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_transpose_variable_batch(gen, backend):
+    if backend == "triton" and not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
+        pytest.skip("triton interpreter unavailable")
+    for _ in range(6):
+        world, keys = (int(x) for x in torch.randint(1, 5, (2,), generator=gen))
+        batch_sizes = torch.randint(0, 4, (world,), generator=gen)  # a rank may hold 0
+        lengths = torch.randint(0, 5, (keys * int(batch_sizes.sum()),), generator=gen)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+        exp_lengths, exp_values = _variable_transpose_oracle(lengths, values, batch_sizes, keys)
+        out_l, out_v, _ = keyed_transpose(
+            lengths, values, batch_sizes=batch_sizes, num_keys=keys, backend=backend
+        )
+        assert torch.equal(out_l, exp_lengths) and torch.equal(out_v, exp_values)
+        back_l, back_v, _ = keyed_transpose(
+            out_l, out_v, batch_sizes=batch_sizes, num_keys=keys, inverse=True, backend=backend
+        )
+        assert torch.equal(back_l, lengths) and torch.equal(back_v, values)
+
+
+@pytest.mark.parametrize("backend", ["vectorized", "triton", "naive"])
+def test_transpose_backends_match_reference(gen, backend):
+    if backend == "triton" and not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
+        pytest.skip("triton interpreter unavailable")
+    for i in range(8):
+        lengths, values, weights = _fixed_transpose_case(gen, INDEX_DTYPES[i % 2])
+        w = weights if i % 2 else None
+        expected = reference.keyed_transpose(lengths, values, w)
+        if backend == "naive":
+            actual = naive.keyed_transpose(lengths, values, w)
+        else:
+            actual = keyed_transpose(lengths, values, w, backend=backend)
+        for e, a in zip(expected, actual):
+            assert (e is None and a is None) or (e.dtype == a.dtype and torch.equal(e, a)), i
+        again = keyed_transpose(actual[0], actual[1], actual[2], backend="reference")
+        assert torch.equal(again[0], lengths) and torch.equal(again[1], values)
+
+
+# ----------------------------------------------------------------- backend selection
+
+
+def test_backend_resolution(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    assert resolve_backend("auto", cpu) == "reference"
+    assert resolve_backend("vectorized", cpu) == "vectorized"
+    monkeypatch.setenv(BACKEND_ENV_VAR, "vectorized")
+    assert resolve_backend("auto", cpu) == "vectorized"
+    assert resolve_backend("reference", cpu) == "reference"  # the argument wins
+    monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
+    with pytest.raises(ValueError):
+        resolve_backend("auto", cpu)
+    with pytest.raises(ValueError):
+        resolve_backend("cuda", cpu)
+    monkeypatch.delenv(BACKEND_ENV_VAR)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if triton_available():
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            resolve_backend("triton", cpu)
