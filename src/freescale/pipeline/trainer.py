@@ -247,9 +247,14 @@ class Trainer:
         feats[CANDIDATE_FEATURE] = (batch.candidates, batch.num_candidates)
         return {f: feats[f] for f in self.sparse.features}
 
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
-        """Logits for every candidate of the local batch."""
-        emb = self.sparse(self.features_of(batch))
+    def forward(self, batch: JaggedBatch, next_batch: JaggedBatch | None = None) -> torch.Tensor:
+        """Logits for every candidate of the local batch. Embedding modules that look
+        ahead (prioritized updates) also receive the next step's features."""
+        if getattr(self.sparse, "uses_next_features", False):
+            nxt = self.features_of(next_batch) if next_batch is not None else None
+            emb = self.sparse(self.features_of(batch), next_features=nxt)
+        else:
+            emb = self.sparse(self.features_of(batch))
         lengths = batch.uih_lengths[self.uih_keys[0]]
         return self.dense_ddp(
             {k: emb[k] for k in self.uih_keys},
@@ -265,8 +270,24 @@ class Trainer:
         return self.cfg.sparse_optim.lr
 
     # --------------------------------------------------------------- step
-    def train_step(self, batch: JaggedBatch) -> dict[str, Any]:
-        """Forward, backward, optimizer for one (validated) local batch."""
+    def _fetch(self, loader: PrefetchingLoader, step: int) -> JaggedBatch:
+        batch = self.next_batch(loader, step)
+        for h in self.hooks:
+            batch = h.on_batch(self, step, batch)
+        return batch
+
+    def flush(self) -> None:
+        """Apply every deferred embedding update (a no-op for the vanilla schedule).
+        Called before evaluation, checkpoints, errors and the end of training."""
+        flush = getattr(self.sparse, "flush", None)
+        if flush is not None:
+            flush()
+
+    def train_step(
+        self, batch: JaggedBatch, next_batch: JaggedBatch | None = None
+    ) -> dict[str, Any]:
+        """Forward, backward, optimizer for one (validated) local batch. ``next_batch``
+        is the following step's batch where known (None on the last step)."""
         t = self.step + 1
         times = StageTimes()
         self.sparse.stats.times.clear()
@@ -277,7 +298,7 @@ class Trainer:
         self.sparse.train()
 
         t0 = self._now()
-        logits = self.forward(batch)
+        logits = self.forward(batch, next_batch)
         gc = batch.extras["global_candidates"]
         loss_sum = sum_bce_loss(logits, batch.labels)
         loss = loss_sum / max(gc, 1.0)
@@ -320,6 +341,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, num_batches: int | None = None) -> dict[str, float]:
         """NE, AUC, log loss and the oracle NE (true probabilities) on held-out samples."""
+        self.flush()
         self.dense_ddp.eval()
         self.sparse.eval()
         n = (
@@ -391,17 +413,21 @@ class Trainer:
         t_start: float | None = None
         loss_acc, cand_acc = 0.0, 0.0
         loader = self._loader(first, steps)
+        ahead: JaggedBatch | None = None
         try:
             for t in range(first, last + 1):
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
                 t0 = self._now()
-                batch = self.next_batch(loader, t)
-                for h in self.hooks:
-                    batch = h.on_batch(self, t, batch)
+                if ahead is None:  # first step of this call
+                    ahead = self._fetch(loader, t)
+                batch = ahead
+                # one step of lookahead: batch t+1 is loaded, agreed on and balanced
+                # before step t trains (prioritized updates read its ids during step t)
+                ahead = self._fetch(loader, t + 1) if t < last else None
                 t_data = self._now() - t0
-                rec = self.train_step(batch)
+                rec = self.train_step(batch, ahead)
                 rec["times"]["data"] = t_data
                 t0 = self._now()
                 loss_acc += rec["loss_sum"]
@@ -446,8 +472,12 @@ class Trainer:
                         )
                 if bar is not None:
                     bar.update(1)
+        except BaseException:
+            self.flush()  # deferred updates are applied before the error propagates
+            raise
         finally:
             loader.close()
+        self.flush()
         self._sync()
         wall = time.perf_counter() - t_start if t_start is not None else 0.0
         if bar is not None:
