@@ -315,6 +315,28 @@ class Runner:
         floor = 2 * (n * idx_bytes + lengths.numel() * len_bytes)
         self.bench_op(wl, "indexed_permute", None, fns, floor)
 
+    def tile_sweep(self, wl: dict, world: int, tiles: list[int]) -> None:
+        """Triton dispatch time per ids-per-tile setting (tuning data; checked first)."""
+        args = (wl["values"], wl["lengths"], block_sizes_for(world, self.device), world)
+        expect = reference.ranged_dispatch(*args)
+        for tile in tiles:
+            if time.perf_counter() > self.deadline:
+                self.notes.append("time budget exhausted: tile sweep cut short")
+                return
+            row = {"workload": wl["name"], "op": "ranged_dispatch_tile_sweep",
+                   "world_size": world, "n_ids": wl["n"], "tile": tile}  # fmt: skip
+            try:
+                got = self.triton.ranged_dispatch(*args, tile=tile)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is data
+                row["error"] = repr(exc)[:300]
+            else:
+                check_same(f"triton dispatch tile={tile} W={world}", expect, got)
+                del got
+                fn = partial(self.triton.ranged_dispatch, *args, tile=tile)
+                row["triton_ms"], _ = time_fast(fn, self.device, self.args.cpu_reps)
+            self.rows.append(row)
+            print(json.dumps(row), flush=True)
+
 
 def _git_sha(explicit: Optional[str]) -> Optional[str]:
     if explicit:
@@ -412,6 +434,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--naive-budget-s", type=float, default=3.0, help="per naive timing")
     parser.add_argument("--cpu-reps", type=int, default=3)
     parser.add_argument("--no-large", action="store_true", help="skip the 2^26-id workload")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the dispatch tile sweep")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -443,6 +466,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for i, (name, batch, total) in enumerate(workloads):
             wl = make_workload(name, batch, total, device, args.seed + i, args.smoke)
             runner.run_workload(wl, worlds)
+            if name == "large" and use_triton and not args.smoke and not args.no_sweep:
+                runner.tile_sweep(wl, worlds[-1], [512, 1024, 2048, 4096])
             del wl
     except Mismatch as exc:
         print(f"ABORT: {exc}", file=sys.stderr)
@@ -460,6 +485,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         "triton": use_triton,
         "torch": torch.__version__,
         "copy_bandwidth_gbps": runner.bandwidth / 1e9,
+        "config": {
+            "world_sizes": worlds,
+            "workloads": [
+                {"name": name, "samples_per_key": batch, "total_ids": total}
+                for name, batch, total in workloads
+            ],
+            "num_keys": NUM_KEYS,
+            "mean_uih": 64 if args.smoke else MEAN_UIH,
+            "max_uih": 512 if args.smoke else MAX_UIH,
+            "embedding_dim": args.dim,
+            "embedding_dtype": "bfloat16",
+            "rows_per_table": ROWS_PER_TABLE,
+            "naive_budget_s": args.naive_budget_s,
+            "budget_s": args.budget_s,
+        },
         "rows": runner.rows,
         "headline": _headline(runner.rows),
         "notes": sorted(set(runner.notes)),
