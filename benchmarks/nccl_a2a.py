@@ -3,8 +3,10 @@
 Run under torchrun: ``python -m torch.distributed.run --nproc-per-node 2
 benchmarks/nccl_a2a.py --bytes 200000000 --out result.json``. Each rank sends
 ``--bytes`` in total, split equally over the ranks (the part to itself included, as
-the embedding exchange does), fp32. Reports the median time and the bandwidth
-(bytes leaving the rank / time), timed with CUDA events.
+the embedding exchange does), fp32. Reports the median time of single calls (each
+after a barrier) and the mean of 10 back-to-back calls (no barrier skew inside the
+timed region; the headline ``gb_per_s``), as bytes leaving the rank / time, timed
+with CUDA events.
 """
 
 from __future__ import annotations
