@@ -204,7 +204,11 @@ class _Block(nn.Module):
             raise ValueError(f"embedding_dim {d} is not divisible by num_heads {heads}")
         self.heads = heads
         self.norm1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        # no key bias: softmax ignores it (its true gradient is exactly zero), and Adam
+        # would turn the rounding noise in that gradient into lr-sized updates
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(d))
+        self.v_bias = nn.Parameter(torch.zeros(d))
         self.proj = nn.Linear(d, d)
         self.norm2 = nn.LayerNorm(d)
         self.ffn = nn.Sequential(nn.Linear(d, ffn_mult * d), nn.GELU(), nn.Linear(ffn_mult * d, d))
@@ -213,7 +217,9 @@ class _Block(nn.Module):
         self, x: torch.Tensor, lengths: torch.Tensor, backend: str, attn_dtype: torch.dtype
     ) -> torch.Tensor:
         t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(t, 3, self.heads, d // self.heads).to(attn_dtype)
+        bias = torch.cat([self.q_bias, self.q_bias.new_zeros(d), self.v_bias])
+        qkv = (self.qkv(self.norm1(x)) + bias).view(t, 3, self.heads, d // self.heads)
+        qkv = qkv.to(attn_dtype)
         a = jagged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], lengths, backend).to(x.dtype)
         x = x + self.proj(a.reshape(t, d))
         return x + self.ffn(self.norm2(x))
