@@ -65,6 +65,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary", default=None, help="write the final summary JSON here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    from .balance.hook import add_balance_flags
+
+    add_balance_flags(p)
 
 
 def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
@@ -128,8 +131,11 @@ def _cfg_from_dict(d: dict[str, Any]) -> TrainConfig:
     return TrainConfig(data=data, model=model, sparse_optim=sparse, tables=tables, **d)
 
 
-def run_rank(cfg_dict: dict[str, Any], summary_path: str | None, timeout: float) -> dict:
-    """Entry point of one rank (module level so the launcher can pickle it)."""
+def run_rank(
+    cfg_dict: dict[str, Any], summary_path: str | None, timeout: float, balance: Any = None
+) -> dict:
+    """Entry point of one rank (module level so the launcher can pickle it).
+    ``balance``: a picklable ``BalanceConfig`` (load balancing on) or None."""
     import torch.distributed as dist
 
     from .pipeline.distributed import init_distributed
@@ -138,7 +144,12 @@ def run_rank(cfg_dict: dict[str, Any], summary_path: str | None, timeout: float)
     cfg = _cfg_from_dict(cfg_dict)
     ctx = init_distributed(cfg.device, timeout_s=timeout)
     try:
-        trainer = Trainer(cfg, ctx=ctx)
+        hooks = []
+        if balance is not None:
+            from .balance.hook import BalanceHook
+
+            hooks.append(BalanceHook(balance))
+        trainer = Trainer(cfg, ctx=ctx, hooks=hooks)
         summary = trainer.train()
         trainer.close()
         if ctx.rank == 0:
@@ -180,8 +191,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     cfg = build_train_config(args, gpu)
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    from .balance.hook import balance_config_from_args
+
+    balance = balance_config_from_args(args)
     if in_torchrun or args.nproc == 1:
-        run_rank(cfg_dict, args.summary, args.timeout)
+        run_rank(cfg_dict, args.summary, args.timeout, balance)
         return 0
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -201,7 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
         flush=True,
     )
-    elastic_launch(lc, entrypoint=run_rank)(cfg_dict, args.summary, args.timeout)
+    elastic_launch(lc, entrypoint=run_rank)(cfg_dict, args.summary, args.timeout, balance)
     return 0
 
 
