@@ -1,0 +1,1093 @@
+"""Figure "sm_contention": how much a transfer on a second stream slows a dense kernel.
+
+Launch (2 GPUs of one node, about 2-3 minutes)::
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \\
+        --out DIR --git-sha SHA
+
+CPU smoke check (argument parsing, the accounting, JSON and plot writing on synthetic
+timings; no torch.distributed, no CUDA)::
+
+    python benchmarks/sm_contention.py --out DIR --smoke
+
+Kernels: a bf16 8192^3 GEMM (``torch.mm``) and the model's attention (compiled flex
+attention with the document-causal block mask of ``freescale.models.sequence``, on a
+jagged batch of ~200K tokens, bf16, H=4, dh=32, forward + backward). Transfers: an
+all-to-all of SIZE bytes per rank (fp32 rows of 128, equal splits) through
+* ``nccl``: the plain Communicator on a dedicated NCCL group (kernels on SMs);
+* ``copy_engine``: CopyEngineCommunicator.all_to_all_v_segments (zero-copy: only
+  copy-engine peer copies run);
+* ``copy_engine_contiguous``: CopyEngineCommunicator.all_to_all_v (adds the two local
+  copies into a fresh output, which CUDA runs on SMs);
+* ``host_staged``: HostStagedCommunicator (device->pinned host->gloo->device).
+
+Method (also written into the JSON under "method"):
+1. Bandwidth alone: back-to-back transfers, no kernel; per-transfer GPU time.
+2. Kernel alone: a window of R back-to-back kernels (R so the window is ~--window-ms),
+   CUDA events; alone and overlapped windows are interleaved, rep by rep.
+3. Overlapped: a thread on this rank issues N back-to-back transfers (N identical on all
+   ranks, sized to cover the window), each bracketed by CUDA events on its own stream;
+   the window starts once two transfers are issued. Bytes moved during the kernel =
+   sum over transfers of (bytes sent to peers) x (fraction of the transfer's GPU
+   interval inside the window); coverage = fraction of the window with a transfer in
+   flight.
+4. Equal bytes: slowdown = window / alone - 1 is measured with each backend saturated;
+   backends move different bytes in the same window, so each slowdown is scaled to the
+   bytes NCCL moved in that window: slowdown_equal_bytes = slowdown x B_nccl / B_backend
+   (interference taken as proportional to bytes moved during the kernel). The "best
+   SM-free" backend is chosen among those that moved at least 25% of NCCL's bytes (at
+   most a 4x extrapolation); the others are reported but not eligible.
+5. A probe (separate torchrun job, --no-probe to skip) tries NCCL 2.28's zero-CTA
+   copy-engine collectives: ProcessGroupNCCL CTA policy ZERO + symmetric memory on
+   the NCCL backend, equal-count all_to_all_single and all_gather_into_tensor; checks
+   correctness, whether any NCCL kernel ran (profiler), and the GEMM slowdown.
+
+Writes DIR/sm_contention.json (figure, device, git_sha, date, command, method, rows,
+bandwidth_alone, headline, nccl_ce_probe) and DIR/sm_contention.png (if matplotlib).
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 are set here and checked).
+"""
+
+from __future__ import annotations
+
+import os
+
+_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+for _k, _v in _SAFE_ENV.items():  # before torch / NCCL read them
+    if os.environ.setdefault(_k, _v) != _v:
+        raise SystemExit(f"refusing to run: {_k}={os.environ[_k]} would allow NVLink multicast")
+
+import argparse  # noqa: E402
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+try:
+    import freescale  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+BACKENDS = ["nccl", "copy_engine", "copy_engine_contiguous", "host_staged"]
+SMFREE = ["copy_engine", "copy_engine_contiguous", "host_staged"]
+KERNELS = ["gemm", "attention"]
+MB = 1 << 20
+ELIGIBLE_MIN_BYTES_FRACTION = 0.25
+NOISE_FLOOR = 0.005  # NCCL slowdowns below this are too small to form a ratio
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--git-sha", default=None)
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[16, 64, 256])
+    p.add_argument(
+        "--workload-bytes",
+        type=float,
+        default=220e6,
+        help="per-step embedding bytes per rank of the end-to-end workload (~220 MB at "
+        "128 samples x 2K UIH x dim 128 fp32); added to the sizes",
+    )
+    p.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
+    p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    p.add_argument("--reps", type=int, default=5, help="interleaved windows per cell")
+    p.add_argument("--window-ms", type=float, default=25.0)
+    p.add_argument("--gemm-n", type=int, default=8192)
+    p.add_argument("--attn-tokens", type=int, default=200_000)
+    p.add_argument("--attn-heads", type=int, default=4)
+    p.add_argument("--attn-dim", type=int, default=32)
+    p.add_argument("--attn-mean-len", type=int, default=2048)
+    p.add_argument("--ce-streams", type=int, default=1, help="copy-engine side streams")
+    p.add_argument(
+        "--time-budget-s", type=float, default=140.0, help="measurement cells start only before it"
+    )
+    p.add_argument("--no-probe", action="store_true", help="skip the NCCL zero-CTA probe")
+    p.add_argument("--probe-timeout-s", type=float, default=90.0)
+    p.add_argument("--total-budget-s", type=float, default=230.0, help="the probe is cut to fit")
+    p.add_argument("--smoke", action="store_true", help="CPU-only check on synthetic data")
+    p.add_argument("--probe-nccl-ce", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--probe-out", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.reps < 1 or a.window_ms <= 0:
+        p.error("--reps must be >= 1 and --window-ms > 0")
+    return a
+
+
+def size_list(a: argparse.Namespace) -> list[int]:
+    sizes = {int(s * MB) for s in a.sizes_mb}
+    if a.workload_bytes > 0:
+        sizes.add(int(a.workload_bytes))
+    return sorted(sizes)
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes / MB:.0f}MB" if nbytes % MB == 0 else f"{nbytes / 1e6:.0f}MB(workload)"
+
+
+# ============================================================ pure accounting
+def bytes_in_window(
+    intervals: list[tuple[float, float]], w0: float, w1: float, nbytes: float
+) -> tuple[float, float]:
+    """(bytes moved inside [w0, w1], coverage): each transfer interval [s, e] carries
+    ``nbytes``, spread uniformly over it; coverage = fraction of the window covered by
+    the union of the intervals."""
+    if w1 <= w0:
+        return 0.0, 0.0
+    moved = 0.0
+    for s, e in intervals:
+        if e <= s:
+            continue
+        ov = min(e, w1) - max(s, w0)
+        if ov > 0:
+            moved += nbytes * ov / (e - s)
+    covered, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((max(s, w0), min(e, w1)) for s, e in intervals if e > w0 and s < w1):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                covered += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        covered += cur_e - cur_s
+    return moved, covered / (w1 - w0)
+
+
+def transfers_needed(window_ms: float, transfer_ms: float, pre: int = 2, margin: float = 1.5):
+    """Back-to-back transfers to issue so that they cover a kernel window."""
+    transfer_ms = max(transfer_ms, 1e-3)
+    return int(pre + math.ceil(margin * window_ms / transfer_ms) + 1)
+
+
+def make_row(
+    kernel: str,
+    size: int,
+    backend: str,
+    alone_ms: list[float],
+    overlapped_ms: list[float],
+    moved: list[float],
+    coverage: list[float],
+    **extra: Any,
+) -> dict:
+    base = statistics.median(alone_ms)
+    slow = [o / base - 1.0 for o in overlapped_ms]
+    b = statistics.median(moved) if moved else 0.0
+    row = {
+        "kernel": kernel,
+        "size_bytes": size,
+        "size_label": size_label(size),
+        "backend": backend,
+        "kernel_alone_ms": base,
+        "kernel_overlapped_ms": statistics.median(overlapped_ms),
+        "slowdown": statistics.median(slow),
+        "slowdown_std": statistics.pstdev(slow) if len(slow) > 1 else 0.0,
+        "bytes_moved_during_kernel": b,
+        "transfer_gbps_during_kernel": b / (statistics.median(overlapped_ms) * 1e6),
+        "coverage": statistics.median(coverage) if coverage else 0.0,
+        "reps": len(overlapped_ms),
+    }
+    row.update(extra)
+    return row
+
+
+def normalise_cells(rows: list[dict]) -> None:
+    """Add the equal-bytes slowdown to every row (reference: NCCL in the same cell)."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["kernel"], r["size_bytes"]), {})[r["backend"]] = r
+    for by_backend in cells.values():
+        ref = by_backend.get("nccl")
+        ref_bytes = ref["bytes_moved_during_kernel"] if ref else None
+        for r in by_backend.values():
+            b = r["bytes_moved_during_kernel"]
+            if ref_bytes and b > 0:
+                f = ref_bytes / b
+                r["equal_bytes_factor"] = f
+                r["slowdown_equal_bytes"] = r["slowdown"] * f
+                r["slowdown_equal_bytes_std"] = r["slowdown_std"] * f
+                r["eligible_for_best"] = r["backend"] == "nccl" or (
+                    b >= ELIGIBLE_MIN_BYTES_FRACTION * ref_bytes
+                )
+            else:
+                r["equal_bytes_factor"] = None
+                r["slowdown_equal_bytes"] = None
+                r["slowdown_equal_bytes_std"] = None
+                r["eligible_for_best"] = False
+            r["slowdown_pct_per_gb"] = 100 * r["slowdown"] / (b / 1e9) if b > 0 else None
+
+
+def _closest(values: list[int], target: int) -> int | None:
+    return min(values, key=lambda v: abs(v - target)) if values else None
+
+
+def headline(rows: list[dict], bandwidth: list[dict], workload_bytes: int) -> dict:
+    def cell(kernel: str, size: int) -> dict[str, dict]:
+        return {r["backend"]: r for r in rows if r["kernel"] == kernel and r["size_bytes"] == size}
+
+    sizes = sorted({r["size_bytes"] for r in rows})
+    kernels = sorted({r["kernel"] for r in rows})
+    h: dict[str, Any] = {}
+    s256 = _closest(sizes, 256 * MB)
+    g = cell("gemm", s256) if s256 is not None else {}
+    h["headline_cell"] = {"kernel": "gemm", "size_bytes": s256}
+    h["slowdown_nccl"] = g.get("nccl", {}).get("slowdown")
+    for b in SMFREE:
+        h[f"slowdown_{b}"] = g.get(b, {}).get("slowdown_equal_bytes")
+        h[f"slowdown_{b}_saturated"] = g.get(b, {}).get("slowdown")
+
+    def best(c: dict[str, dict]) -> tuple[str | None, float | None]:
+        cands = [
+            (r["slowdown_equal_bytes"], b)
+            for b, r in c.items()
+            if b in SMFREE and r.get("eligible_for_best") and r["slowdown_equal_bytes"] is not None
+        ]
+        if not cands:
+            return None, None
+        v, b = min(cands)
+        return b, v
+
+    ratios, per_kernel, skipped = [], {}, []
+    for k in kernels:
+        kr = []
+        for s in sizes:
+            c = cell(k, s)
+            nccl = c.get("nccl", {}).get("slowdown")
+            b, v = best(c)
+            if nccl is None or v is None or nccl < NOISE_FLOOR:
+                skipped.append({"kernel": k, "size_bytes": s, "nccl_slowdown": nccl})
+                continue
+            kr.append({"size_bytes": s, "ratio": v / nccl, "best": b})
+        per_kernel[k] = max((x["ratio"] for x in kr), default=None)
+        ratios += [x["ratio"] for x in kr]
+        per_kernel[f"{k}_by_size"] = kr
+    h["smfree_vs_nccl_slowdown_ratio"] = max(ratios) if ratios else None
+    h["smfree_vs_nccl_slowdown_ratio_by_kernel"] = per_kernel
+    h["ratio_cells_skipped"] = skipped
+    wl = _closest(sizes, workload_bytes)
+    h["workload_size_bytes"] = wl
+    h["best_smfree_at_workload"] = {
+        k: dict(zip(("backend", "slowdown_equal_bytes"), best(cell(k, wl)))) for k in kernels
+    }
+    bw: dict[str, dict[str, float]] = {}
+    for r in bandwidth:
+        bw.setdefault(r["backend"], {})[r["size_label"]] = r["gbps"]
+    h["bandwidth_alone_gbps"] = bw
+    nccl_ok = h["slowdown_nccl"] is not None and h["slowdown_nccl"] >= 0.03
+    ratio = h["smfree_vs_nccl_slowdown_ratio"]
+    wl_vals = [v["slowdown_equal_bytes"] for v in h["best_smfree_at_workload"].values()]
+    h["targets"] = {
+        "nccl_slowdown_reproduced (>= 3% at 256 MB, GEMM)": nccl_ok,
+        "best_smfree_at_most_half_of_nccl_at_every_size": ratio is not None and ratio <= 0.5,
+        "best_smfree_under_2pct_at_workload_size": bool(wl_vals)
+        and all(v is not None and v < 0.02 for v in wl_vals),
+    }
+    return h
+
+
+METHOD = {
+    "sizes": "bytes per rank in the all-to-all input (fp32 rows of 128, equal splits); "
+    "bytes moved = bytes sent to other ranks = size x (W-1)/W",
+    "kernel_window": "R back-to-back kernels between two CUDA events on the compute "
+    "stream; R chosen so one window lasts about --window-ms; median over reps; alone "
+    "and overlapped windows interleaved rep by rep",
+    "overlap": "a second thread issues N back-to-back transfers (same N on every rank) "
+    "on its own stream, each between two CUDA events; the kernel window starts after two "
+    "are issued. bytes_moved_during_kernel prorates each transfer's bytes by the share "
+    "of its GPU interval inside the window; coverage = share of the window with a "
+    "transfer in flight",
+    "equal_bytes": "slowdown is measured with each backend saturated; "
+    "slowdown_equal_bytes = slowdown x (bytes NCCL moved in the same window) / (bytes "
+    "this backend moved): the slowdown at equal bytes moved during the kernel, taking "
+    "interference as proportional to bytes moved",
+    "best_smfree": "lowest slowdown_equal_bytes among SM-free backends that moved at "
+    f"least {ELIGIBLE_MIN_BYTES_FRACTION:.0%} of NCCL's bytes in the window (<= 4x "
+    "extrapolation)",
+    "ratio": "smfree_vs_nccl_slowdown_ratio = max over kernels and sizes of best SM-free "
+    f"slowdown_equal_bytes / NCCL slowdown (cells with NCCL slowdown < {NOISE_FLOOR:.1%} "
+    "are skipped and listed)",
+}
+
+
+# ===================================================================== outputs
+def git_sha(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write_outputs(out_dir: str, result: dict) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "sm_contention.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    written = [path]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    kernels = [k for k in KERNELS if any(r["kernel"] == k for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(kernels) + 1, figsize=(5 * (len(kernels) + 1), 4))
+    axes = list(axes) if hasattr(axes, "__len__") else [axes]
+    for ax, k in zip(axes, kernels):
+        for i, b in enumerate(BACKENDS):
+            rs = sorted(
+                (r for r in result["rows"] if r["kernel"] == k and r["backend"] == b),
+                key=lambda r: r["size_bytes"],
+            )
+            rs = [r for r in rs if r.get("slowdown_equal_bytes") is not None]
+            if not rs:
+                continue
+            xs = [r["size_bytes"] / MB for r in rs]
+            ys = [100 * r["slowdown_equal_bytes"] for r in rs]
+            ok = all(r.get("eligible_for_best") for r in rs)
+            ax.plot(xs, ys, color=f"C{i}", ls="-" if ok else "--", lw=1)
+            for x, y, r in zip(xs, ys, rs):
+                face = f"C{i}" if r.get("eligible_for_best") else "none"
+                ax.plot([x], [y], "o", color=f"C{i}", mfc=face)
+            ax.plot([], [], "o-", color=f"C{i}", label=b + ("" if ok else " (extrapolated)"))
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("all-to-all size per rank (MB)")
+        ax.set_ylabel("kernel slowdown at equal bytes (%)")
+        ax.set_title(f"{k}: slowdown at equal bytes")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for b in BACKENDS:
+        pts = sorted(
+            (r["size_bytes"] / MB, r["gbps"])
+            for r in result["bandwidth_alone"]
+            if r["backend"] == b
+        )
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=b)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("all-to-all size per rank (MB)")
+    ax.set_ylabel("GB/s sent to peers, alone")
+    ax.set_title("bandwidth alone")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"sm_contention {result.get('device', '')} {result.get('git_sha') or ''}")
+    fig.tight_layout()
+    png = os.path.join(out_dir, "sm_contention.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return written + [png]
+
+
+def validate_result(result: dict) -> None:
+    """Fail loudly if the JSON misses what the figure promises."""
+    for key in ("figure", "device", "git_sha", "date", "command", "method", "rows", "headline"):
+        if key not in result:
+            raise AssertionError(f"sm_contention.json lacks {key!r}")
+    h = result["headline"]
+    for key in (
+        "slowdown_nccl",
+        "slowdown_copy_engine",
+        "slowdown_host_staged",
+        "smfree_vs_nccl_slowdown_ratio",
+        "bandwidth_alone_gbps",
+    ):
+        if key not in h:
+            raise AssertionError(f"headline lacks {key!r}")
+    for r in result["rows"]:
+        for key in ("kernel", "size_bytes", "backend", "slowdown", "bytes_moved_during_kernel"):
+            if key not in r:
+                raise AssertionError(f"row lacks {key!r}: {r}")
+
+
+def command_line() -> str:
+    if "LOCAL_RANK" in os.environ:
+        n = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "?"))
+        pre = f"python -m torch.distributed.run --nproc-per-node {n} "
+    else:
+        pre = "python "
+    return pre + " ".join(shlex.quote(x) for x in sys.argv)
+
+
+# ====================================================================== smoke
+def smoke(a: argparse.Namespace) -> int:
+    """The accounting, headline, JSON and plot on synthetic timings (no device)."""
+    # bytes_in_window on a known case: 4 transfers of 10 units, window [5, 25]
+    iv = [(0.0, 10.0), (10.0, 20.0), (20.0, 30.0), (35.0, 40.0)]
+    moved, cov = bytes_in_window(iv, 5.0, 25.0, 100.0)
+    assert abs(moved - 200.0) < 1e-9 and abs(cov - 1.0) < 1e-9, (moved, cov)
+    moved, cov = bytes_in_window(iv, 28.0, 38.0, 100.0)
+    assert abs(moved - (20.0 + 60.0)) < 1e-9 and abs(cov - 0.5) < 1e-9, (moved, cov)
+    assert transfers_needed(25.0, 0.5) == 2 + 75 + 1
+    sizes = size_list(a)
+    fake_rate = {"nccl": 260e9, "copy_engine": 180e9, "copy_engine_contiguous": 170e9}
+    fake_rate["host_staged"] = 1.7e9
+    fake_slow = {"nccl": 0.11, "copy_engine": 0.04, "copy_engine_contiguous": 0.07}
+    fake_slow["host_staged"] = 0.004
+    rows, bandwidth = [], []
+    for size in sizes:
+        for b in a.backends:
+            bandwidth.append(
+                {"backend": b, "size_bytes": size, "size_label": size_label(size),
+                 "gbps": fake_rate[b] / 1e9, "transfer_ms": size / 2 / fake_rate[b] * 1e3}
+            )  # fmt: skip
+        for k in a.kernels:
+            alone = [25.0, 25.1, 24.9]
+            for b in a.backends:
+                over = [x * (1 + fake_slow[b]) for x in alone]
+                moved = [fake_rate[b] * x * 1e-3 for x in over]
+                rows.append(make_row(k, size, b, alone, over, moved, [1.0] * 3, window_reps=18))
+    normalise_cells(rows)
+    result = {
+        "figure": "sm_contention",
+        "smoke": True,
+        "device": "none (smoke: synthetic timings)",
+        "git_sha": git_sha(a.git_sha),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "method": METHOD,
+        "config": vars(a),
+        "bandwidth_alone": bandwidth,
+        "rows": rows,
+        "headline": headline(rows, bandwidth, int(a.workload_bytes)),
+        "nccl_ce_probe": {"skipped": "smoke"},
+    }
+    validate_result(result)
+    h = result["headline"]
+    assert abs(h["slowdown_nccl"] - 0.11) < 1e-9, h
+    # copy engine: 4% saturated while moving 180 GB/s x its window, NCCL 260 GB/s x its
+    # window -> scaled by the ratio of the bytes moved
+    want = 0.04 * (260 * 1.11) / (180 * 1.04)
+    assert abs(h["slowdown_copy_engine"] - want) < 1e-6, h
+    assert h["slowdown_host_staged"] is not None  # reported, but not eligible as "best"
+    assert h["best_smfree_at_workload"]["gemm"]["backend"] == "copy_engine", h
+    files = write_outputs(a.out, result)
+    with open(files[0]) as f:
+        validate_result(json.load(f))
+    print(json.dumps(h, indent=1, default=str))
+    print("smoke OK:", ", ".join(files))
+    return 0
+
+
+# ================================================================== the device
+class Bench:
+    """Everything that touches the GPUs (both ranks run the same sequence)."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        import torch.distributed as dist
+
+        from freescale.comm import (
+            Communicator,
+            CopyEngineCommunicator,
+            CopyEngineConfig,
+            HostStagedCommunicator,
+            HostStagedConfig,
+        )
+
+        self.a, self.dist = a, dist
+        self.t_start = time.monotonic()
+        self.local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(self.local)
+        self.dev = torch.device("cuda", self.local)
+        dist.init_process_group("nccl", device_id=self.dev)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world < 2:
+            raise SystemExit("sm_contention needs >= 2 ranks (torchrun --nproc-per-node 2)")
+        self.ctrl = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=900))
+        self.comms: dict[str, Any] = {}
+        nccl_group = dist.new_group(backend="nccl")
+        self.comms["nccl"] = Communicator(nccl_group, "nccl")
+        ce = CopyEngineCommunicator.create(
+            name="ce", config=CopyEngineConfig(copy_streams=a.ce_streams, timeout_s=120)
+        )
+        self.comms["copy_engine"] = self.comms["copy_engine_contiguous"] = ce
+        self.comms["host_staged"] = HostStagedCommunicator.create(
+            name="hs", config=HostStagedConfig(timeout_s=120, max_pinned_bytes=512 << 20)
+        )
+        self.comm_stream = torch.cuda.Stream(device=self.dev)
+        self.skipped: list[dict] = []
+
+    # ------------------------------------------------------------ agreement
+    def agree_max(self, x: float) -> float:
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.ctrl)
+        return float(t.item())
+
+    def out_of_time(self) -> bool:
+        over = time.monotonic() - self.t_start > self.a.time_budget_s
+        return self.agree_max(1.0 if over else 0.0) > 0
+
+    # ------------------------------------------------------------- kernels
+    def make_kernel(self, kind: str):
+        a = self.a
+        if kind == "gemm":
+            n = a.gemm_n
+            x = torch.randn(n, n, device=self.dev, dtype=torch.bfloat16)
+            y = torch.randn(n, n, device=self.dev, dtype=torch.bfloat16)
+            z = torch.empty(n, n, device=self.dev, dtype=torch.bfloat16)
+            return lambda: torch.mm(x, y, out=z), {"shape": [n, n, n], "dtype": "bfloat16"}
+        from freescale.models import sequence as seq
+
+        g = torch.Generator().manual_seed(7)
+        lens: list[int] = []
+        lo, hi = a.attn_mean_len // 4, a.attn_mean_len * 7 // 4
+        while sum(lens) < a.attn_tokens:
+            lens.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
+        lens[-1] -= sum(lens) - a.attn_tokens
+        lengths = torch.tensor(lens, device=self.dev)
+        t, h, d = a.attn_tokens, a.attn_heads, a.attn_dim
+        q, k, v = (torch.randn(t, h, d, device=self.dev, dtype=torch.bfloat16) for _ in range(3))
+        seq.jagged_attention(q, k, v, lengths, "flex")  # compiles; validates the path
+        fn = seq._FLEX_CACHE["fn"]
+        tp = -(-t // seq.FLEX_BLOCK) * seq.FLEX_BLOCK
+        if not seq._FLEX_CACHE.get("dynamic", True):
+            tp = seq.flex_bucket(t)
+        mask = seq.document_causal_block_mask(lengths, tp)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:  # the model's layout (see _attention_flex)
+            out = x.new_zeros(tp, h, d)
+            out[:t] = x
+            return out.requires_grad_(True)
+
+        leaves = [pad(q), pad(k), pad(v)]
+        go = torch.randn(1, h, tp, d, device=self.dev, dtype=torch.bfloat16)
+
+        def step() -> None:  # forward + backward, mask prebuilt: no host synchronisation
+            qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in leaves)
+            o = fn(qp, kp, vp, block_mask=mask)
+            torch.autograd.grad(o, leaves, go)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        info = {"tokens": t, "samples": len(lens), "heads": h, "head_dim": d, "dtype": "bfloat16"}
+        return step, info
+
+    def window(self, fn, reps: int) -> float:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+
+    # ------------------------------------------------------------ transfers
+    def transfer_fn(self, backend: str, size: int):
+        rows = max(size // 512 // self.world, 1) * self.world
+        x = torch.randn(rows, 128, device=self.dev)
+        splits = [rows // self.world] * self.world
+        comm = self.comms[backend]
+        sent = rows * 512 * (self.world - 1) / self.world
+        if backend == "copy_engine":
+
+            def call() -> None:
+                h = comm.all_to_all_v_segments(x, splits, splits, name="bench")
+                h.wait()
+                h.release()
+
+        else:
+
+            def call() -> None:
+                comm.all_to_all_v(x, splits, splits, name="bench").wait()
+
+        return call, sent
+
+    def run_transfers(self, call, n: int, started: threading.Event, records: list) -> None:
+        torch.cuda.set_device(self.dev)
+        cs = self.comm_stream
+        try:
+            with torch.cuda.stream(cs):
+                for i in range(n):
+                    s = torch.cuda.Event(enable_timing=True)
+                    s.record(cs)
+                    call()
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record(cs)
+                    records.append((s, e))
+                    if i == 1:
+                        started.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            records.append(exc)
+        finally:
+            started.set()
+
+    def measure(self, call, n: int, kernel=None, reps: int = 0) -> dict:
+        """Issue ``n`` transfers on a thread; optionally time a kernel window meanwhile.
+        Returns the transfer intervals and window bounds in ms after a reference event."""
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+        torch.cuda.synchronize()
+        records: list = []
+        started = threading.Event()
+        th = threading.Thread(target=self.run_transfers, args=(call, n, started, records))
+        th.start()
+        w = None
+        if kernel is not None:
+            if not started.wait(self.a.probe_timeout_s):
+                raise RuntimeError("transfers did not start")
+            w0, w1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            w0.record()
+            for _ in range(reps):
+                kernel()
+            w1.record()
+            w1.synchronize()
+            w = (ref.elapsed_time(w0), ref.elapsed_time(w1))
+        th.join()
+        torch.cuda.synchronize()
+        errs = [r for r in records if isinstance(r, BaseException)]
+        if errs:
+            raise RuntimeError(f"transfer thread failed: {errs[0]!r}") from errs[0]
+        iv = [(ref.elapsed_time(s), ref.elapsed_time(e)) for s, e in records]
+        return {"intervals": iv, "window": w}
+
+    def bandwidth(self, backend: str, size: int) -> dict:
+        call, sent = self.transfer_fn(backend, size)
+        warm = self.measure(call, 2)
+        t_est = max(e - s for s, e in warm["intervals"])
+        n = int(self.agree_max(max(4, min(30, math.ceil(150.0 / max(t_est, 1e-3))))))
+        iv = self.measure(call, n)["intervals"]
+        per = statistics.median(e - s for s, e in iv)
+        span = iv[-1][1] - iv[0][0]
+        return {
+            "backend": backend,
+            "size_bytes": size,
+            "size_label": size_label(size),
+            "bytes_sent_per_transfer": sent,
+            "transfers": n,
+            "transfer_ms": per,
+            "gbps": sent / (per * 1e6),
+            "gbps_back_to_back": sent * n / (span * 1e6),
+        }
+
+    # ---------------------------------------------------------------- main
+    def run(self) -> dict:
+        a = self.a
+        sizes = size_list(a)
+        bandwidth: list[dict] = []
+        xfer_ms: dict[tuple[str, int], float] = {}
+        for size in sizes:
+            for b in a.backends:
+                r = self.bandwidth(b, size)
+                bandwidth.append(r)
+                xfer_ms[(b, size)] = self.agree_max(r["transfer_ms"])
+                if self.rank == 0:
+                    print(json.dumps(r), flush=True)
+        rows: list[dict] = []
+        kernel_info: dict[str, Any] = {}
+        for kind in a.kernels:
+            if self.out_of_time():
+                self.skipped.append({"kernel": kind, "why": "time budget"})
+                continue
+            fn, info = self.make_kernel(kind)
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            single = statistics.median(self.window(fn, 1) for _ in range(5))
+            reps = int(self.agree_max(max(1, round(a.window_ms / single))))
+            info.update(single_ms=single, window_reps=reps)
+            kernel_info[kind] = info
+            for size in sizes:
+                if self.out_of_time():
+                    self.skipped.append({"kernel": kind, "size_bytes": size, "why": "time budget"})
+                    continue
+                rows += self.cell(kind, fn, reps, size, xfer_ms)
+            del fn
+            torch.cuda.empty_cache()
+        normalise_cells(rows)
+        return {"rows": rows, "bandwidth_alone": bandwidth, "kernels": kernel_info}
+
+    def cell(self, kind: str, fn, reps: int, size: int, xfer_ms) -> list[dict]:
+        a = self.a
+        alone: list[float] = []
+        over: dict[str, list[float]] = {b: [] for b in a.backends}
+        moved: dict[str, list[float]] = {b: [] for b in a.backends}
+        cover: dict[str, list[float]] = {b: [] for b in a.backends}
+        calls = {b: self.transfer_fn(b, size) for b in a.backends}
+        window_guess = self.agree_max(self.window(fn, reps))
+        ns = {b: transfers_needed(window_guess, xfer_ms[(b, size)]) for b in a.backends}
+        for _ in range(a.reps):
+            alone.append(self.window(fn, reps))
+            for b in a.backends:
+                call, sent = calls[b]
+                m = self.measure(call, ns[b], fn, reps)
+                w0, w1 = m["window"]
+                mv, cv = bytes_in_window(m["intervals"], w0, w1, sent)
+                over[b].append(w1 - w0)
+                moved[b].append(mv)
+                cover[b].append(cv)
+        out = []
+        for b in a.backends:
+            row = make_row(
+                kind, size, b, alone, over[b], moved[b], cover[b],
+                window_reps=reps, transfers_per_window=ns[b], rank=self.rank,
+            )  # fmt: skip
+            out.append(row)
+            if self.rank == 0:
+                print(json.dumps(row), flush=True)
+        return out
+
+    def close(self) -> None:
+        for c in {id(c): c for c in self.comms.values()}.values():
+            close = getattr(c, "close", None)
+            if close is not None:
+                close()
+
+
+# ======================================================== NCCL zero-CTA probe
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TORCHELASTIC_")
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "ROLE_RANK",
+            "ROLE_WORLD_SIZE",
+            "ROLE_NAME",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
+    env.update(_SAFE_ENV)
+    return env
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    """Stop the torchrun job we started and its ranks: SIGTERM to torchrun (it stops its
+    workers), then SIGKILL to whatever of its descendants is left, by pid."""
+    kids = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *kids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def run_probe(a: argparse.Namespace, world: int, timeout_s: float) -> dict:
+    """Rank 0 only: the probe as its own torchrun job, killed if it overruns."""
+    pdir = os.path.join(a.out, "sm_contention_probe")
+    os.makedirs(pdir, exist_ok=True)
+    out = os.path.join(pdir, "nccl_ce_probe.json")
+    if os.path.exists(out):
+        os.unlink(out)
+    env = _clean_env()
+    env.update(
+        NCCL_DEBUG="INFO",
+        NCCL_DEBUG_SUBSYS="INIT,COLL,TUNING,REG",
+        NCCL_DEBUG_FILE=os.path.join(pdir, "nccl.%h.%p.log"),
+    )
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(world), str(Path(__file__).resolve()),
+        "--probe-nccl-ce", "--probe-out", out, "--out", a.out,
+    ]  # fmt: skip
+    log = os.path.join(pdir, "probe_stdout.log")
+    t0 = time.monotonic()
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop_job(proc)
+            return {"error": f"probe timed out after {timeout_s:.0f} s", "log": log}
+    res: dict[str, Any] = {"returncode": rc, "seconds": time.monotonic() - t0, "log": log}
+    if os.path.exists(out):
+        with open(out) as f:
+            res.update(json.load(f))
+    else:
+        with open(log) as f:
+            res["log_tail"] = f.read()[-3000:]
+    return res
+
+
+def probe_main(a: argparse.Namespace) -> int:
+    """One rank of the zero-CTA probe (started by run_probe through torchrun)."""
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    res: dict[str, Any] = {"torch": torch.__version__, "steps": {}}
+    try:
+        res["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as e:  # noqa: BLE001
+        res["nccl"] = repr(e)
+    pg_cls = getattr(dist, "ProcessGroupNCCL", None)
+    zero = getattr(pg_cls, "NCCL_CTA_POLICY_ZERO", None) if pg_cls is not None else None
+    res["torch_exposes"] = {
+        "ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO": zero is not None,
+        "Options.config.cta_policy": False,
+    }
+    opts = None
+    if zero is not None:
+        try:
+            opts = pg_cls.Options()
+            opts.config.cta_policy = zero
+            res["torch_exposes"]["Options.config.cta_policy"] = True
+        except Exception as e:  # noqa: BLE001
+            res["steps"]["cta_policy"] = repr(e)
+            opts = None
+    if opts is None:
+        res["available"] = False
+        res["reason"] = "this torch cannot set the NCCL CTA policy (no zero-CTA path)"
+        _write_probe(a, res, local)
+        return 0
+    dist.init_process_group("nccl", device_id=dev, pg_options=opts)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import torch.distributed._symmetric_memory as sm
+
+    try:
+        sm.set_backend("NCCL")
+        res["steps"]["set_backend_nccl"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        res["steps"]["set_backend_nccl"] = repr(e)
+    dist.all_reduce(torch.ones(1, device=dev))  # creates the communicator
+    gname = dist.group.WORLD.group_name
+    n = (256 * MB) // 4 // world * world
+    g = torch.Generator(device=dev).manual_seed(rank)
+    plain_in = torch.randn(n, device=dev, generator=g)
+    plain_out = torch.empty_like(plain_in)
+    try:
+        inp = sm.empty(n, dtype=torch.float32, device=dev)
+        out = sm.empty(n, dtype=torch.float32, device=dev)
+        inp.copy_(plain_in)
+        sm.rendezvous(inp, gname)
+        sm.rendezvous(out, gname)
+        res["steps"]["symmetric_alloc"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        res["steps"]["symmetric_alloc"] = repr(e)
+        res["available"] = False
+        res["reason"] = "symmetric memory on the NCCL backend failed"
+        _write_probe(a, res, local)
+        dist.destroy_process_group()
+        return 0
+    # correctness: equal-count all-to-all and all-gather, registered vs plain buffers
+    dist.all_to_all_single(plain_out, plain_in)
+    dist.all_to_all_single(out, inp)
+    torch.cuda.synchronize()
+    res["all_to_all_equal_counts_correct"] = bool(torch.equal(out, plain_out))
+    ag_in = inp[: n // world]
+    ag_plain = torch.empty(n, device=dev)
+    dist.all_gather_into_tensor(ag_plain, plain_in[: n // world])
+    dist.all_gather_into_tensor(out, ag_in)
+    torch.cuda.synchronize()
+    res["all_gather_correct"] = bool(torch.equal(out, ag_plain))
+    # did any NCCL kernel run for the registered all-to-all? (profiler activity)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dist.all_to_all_single(out, inp)
+            torch.cuda.synchronize()
+        from torch.autograd import DeviceType
+
+        # GPU activity only (CPU-side ranges are also called "nccl:...")
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        res["gpu_activity_names_sample"] = sorted(set(names))[:20]
+        kernels = sorted({x for x in names if "nccl" in x.lower() and "memcpy" not in x.lower()})
+        res["nccl_kernels_during_registered_all_to_all"] = kernels[:10]
+        res["memcpy_events_during_registered_all_to_all"] = sum(
+            1 for x in names if "memcpy" in x.lower()
+        )
+        res["zero_cta"] = not kernels
+    except Exception as e:  # noqa: BLE001
+        res["steps"]["profiler"] = repr(e)
+
+    # timing: alone, and a GEMM window overlapped with each all-to-all
+    def timed(fn, k: int) -> float:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(k):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / k
+
+    res["a2a_registered_ms"] = statistics.median(
+        timed(lambda: dist.all_to_all_single(out, inp), 3) for _ in range(3)
+    )
+    res["a2a_plain_ms"] = statistics.median(
+        timed(lambda: dist.all_to_all_single(plain_out, plain_in), 3) for _ in range(3)
+    )
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    z = torch.empty_like(x)
+
+    def gemm() -> None:
+        torch.mm(x, x, out=z)
+
+    gemm()
+    alone = statistics.median(timed(gemm, 18) for _ in range(3))
+    side = torch.cuda.Stream()
+    for label, fn in (
+        ("registered", lambda: dist.all_to_all_single(out, inp)),
+        ("plain", lambda: dist.all_to_all_single(plain_out, plain_in)),
+    ):
+        vals = []
+        for _ in range(3):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(60):  # ~30-45 ms of back-to-back all-to-alls
+                    fn()
+            vals.append(timed(gemm, 18))
+            torch.cuda.synchronize()
+        res[f"gemm_slowdown_with_{label}_a2a"] = statistics.median(vals) / alone - 1
+    res["gemm_alone_ms"] = alone
+    res["available"] = bool(res.get("all_to_all_equal_counts_correct") and res.get("zero_cta"))
+    _write_probe(a, res, local)
+    dist.destroy_process_group()
+    return 0
+
+
+def _write_probe(a: argparse.Namespace, res: dict, local: int) -> None:
+    if local != 0 or not a.probe_out:
+        return
+    logs = []
+    pdir = os.path.dirname(a.probe_out)
+    pat = re.compile(r"(CE|Copy Engine|CTA|[Ss]ymmetric|window|Window)")
+    for name in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
+        if name.startswith("nccl.") and name.endswith(".log"):
+            with open(os.path.join(pdir, name), errors="replace") as f:
+                logs += [ln.strip() for ln in f if pat.search(ln)][:40]
+    res["nccl_log_lines"] = logs[:80]
+    with open(a.probe_out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+# ======================================================================= main
+def bench_main(a: argparse.Namespace) -> int:
+    bench = Bench(a)
+    dist = bench.dist
+    try:
+        measured = bench.run()
+    finally:
+        bench.close()
+    per_rank: list[Any] = [None] * bench.world
+    dist.all_gather_object(
+        per_rank,
+        [
+            {k: r[k] for k in ("kernel", "size_bytes", "backend", "slowdown", "coverage")}
+            for r in measured["rows"]
+        ],
+        group=bench.ctrl,
+    )
+    probe: dict[str, Any] = {"skipped": "--no-probe"}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier(group=bench.ctrl)
+    if not a.no_probe:
+        left = a.total_budget_s - (time.monotonic() - bench.t_start)
+        if bench.rank == 0:
+            probe = run_probe(a, bench.world, max(30.0, min(a.probe_timeout_s, left)))
+        dist.barrier(group=bench.ctrl)  # the others wait (gloo, no GPU work) meanwhile
+    if bench.rank == 0:
+        props = torch.cuda.get_device_properties(bench.dev)
+        result = {
+            "figure": "sm_contention",
+            "device": f"{bench.world}x {props.name}",
+            "git_sha": git_sha(a.git_sha),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line(),
+            "versions": {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            },
+            "env": {k: os.environ.get(k) for k in _SAFE_ENV},
+            "method": METHOD,
+            "config": vars(a),
+            "kernels": measured["kernels"],
+            "bandwidth_alone": measured["bandwidth_alone"],
+            "rows": measured["rows"],
+            "rows_source": "rank 0's measurements; every rank's slowdowns in slowdown_by_rank",
+            "slowdown_by_rank": per_rank,
+            "skipped": bench.skipped,
+            "copy_engine_peer_memory": bench.comms["copy_engine"].peer_memory,
+            "copy_engine_peer_memory_note": bench.comms["copy_engine"].peer_memory_note,
+            "seconds": time.monotonic() - bench.t_start,
+            "headline": headline(
+                measured["rows"], measured["bandwidth_alone"], int(a.workload_bytes)
+            ),
+            "nccl_ce_probe": probe,
+        }
+        validate_result(result)
+        files = write_outputs(a.out, result)
+        print(json.dumps(result["headline"], indent=1, default=str))
+        print("wrote", ", ".join(files), flush=True)
+    dist.barrier(group=bench.ctrl)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.smoke:
+        return smoke(a)
+    if a.probe_nccl_ce:
+        return probe_main(a)
+    if not torch.cuda.is_available():
+        raise SystemExit("sm_contention needs CUDA (use --smoke for the CPU check)")
+    return bench_main(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,851 @@
+"""Prioritized embedding updates (DESIGN.md section 2.2): only collision rows block.
+
+Owns :class:`PrioritizedEmbeddingCollection`, a drop-in subclass of the vanilla
+:class:`~freescale.embedding.collection.ShardedEmbeddingCollection` (same weights, same
+fused optimizer, same sharding plan, same outputs) whose schedule keeps only the rows
+touched by two consecutive steps on the critical path; its counters
+(:class:`PrioritizedStats`), its extra-memory report, and
+:func:`make_embedding_collection`, the factory the trainer builds its embedding module
+with. It may not touch the dense model or the trainer; it reads nothing but the ids
+given to it (``features`` of step t and ``next_features`` of step t+1).
+
+Vocabulary. Rows are keyed by (table, row), i.e. by the row of the owner's shard tensor
+(``recv_keys``). For consecutive training steps t and t+1, a *collision* row is touched
+by both; every other row of t+1 is *exclusive* to t+1, every other row of t is
+exclusive to t. Collision detection runs at the owner, in shard-major form, with a
+bitmap over the shard's rows. All occurrences of a row fall in the same subset.
+
+Schedule of training step t (``forward(features_t, next_features=features_{t+1})``):
+
+(a) wait for and apply the deferred exclusive-gradient update of step t-1, with the
+    step index and learning rate captured at t-1's forward;
+(b) lookahead (skipped on the last step, ``next_features is None``): id dist of t+1;
+    at the owner, mark t+1's ids whose row t touches (collision) and t's ids whose row
+    t+1 touches ("reappear"); one all-to-all sends both masks back to the requesters,
+    with the owner's counts appended: every rank then knows the global collision rate
+    and takes the same guardrail decision before any exclusive lookup of t+1. If t+1
+    is prioritized: look up t+1's exclusive rows now and start sending them (side
+    communicator, asynchronous);
+(c) wait only for t's collision embeddings (sent by the backward of t-1) and t's
+    exclusive embeddings (sent by (b) of t-1); merge them into batch-major order.
+    Without a prioritized lookahead for t (first step, after :meth:`flush`, after a
+    guardrail fallback) t's rows are looked up and exchanged synchronously instead.
+
+Backward of t: if t+1 is prioritized, split t's gradients with the reappear mask; the
+collision gradients go to the owners (blocking), which apply them, look up t+1's
+collision rows (now updated) and start sending them (what (c) of t+1 waits for); the
+exclusive gradients are sent asynchronously and applied at (a) of t+1. Otherwise (last
+step, fallback, or a context made stale by :meth:`flush`) every gradient of t is
+exchanged and applied synchronously, exactly as the vanilla collection does.
+
+Why every read sees every earlier write (the tier-1 argument). Vanilla applies step
+s's update to row r between the reads of steps s and s+1. Here:
+
+* t's collision rows (in t and t+1) are updated in t's backward, before they are
+  looked up for t+1 (in that same backward, after the update);
+* t's exclusive rows (in t, not in t+1) are updated at (a) of t+1. Nobody reads them in
+  between: step t+1 does not touch them, and the only other read issued before (a) of
+  t+1 is (b) of t, whose exclusive lookup covers rows of t+1 only. Their next reader is
+  some step s >= t+2, whose rows are looked up at (b) of s-1 >= t+1 *after* (a) of
+  s-1 (the order (a) -> (b) inside one forward is what the ``early_exclusive_lookup``
+  mutation breaks), or in the backward of s-1, later still. Example: a row in t-1 and
+  t+1 but not in t is exclusive for t+1; its t-1 update was deferred to (a) of t,
+  which runs before (b) of t looks it up for t+1.
+* t+1's exclusive rows are read at (b) of t. Their last update before t+1 is from some
+  step <= t-1 (t does not touch them), applied in that step's backward or at (a) of
+  the next step <= t: all before (b) of t. Step t's own updates (collision rows in its
+  backward, exclusive rows at (a) of t+1) touch no row of this set.
+* a synchronous step reads after everything earlier is applied: (a) of t runs before
+  its lookup, and a step without prioritized lookahead follows a synchronous backward
+  or a :meth:`flush`.
+
+So every row sees the same sequence of updates, each one with the step's gradient sum
+(all of a row's gradients fall in one subset; each subset keeps the received
+(source rank, position) order, and embedding/reduce.py sums a row from its own
+gradients only), the step index and lr of the step that produced it (captured at that
+step's forward), and per-row optimizer arithmetic that does not depend on how many rows
+one call holds (embedding/optim.py). Hence parameters are bit-for-bit those of the
+vanilla collection. Updates of different rows commute (row-wise state only).
+
+Collectives. Blocking traffic (ids, masks, collision gradients and rows) uses ``comm``;
+exclusive embeddings and gradients use ``side_comm`` (its own process group by
+default), so on NCCL the overlapped traffic never queues in front of blocking traffic.
+Every rank issues the collectives of each group in the same order: the schedule
+depends only on the agreed guardrail decision and on calls every rank makes
+(``forward``, ``backward``, :meth:`flush`), so :meth:`flush` is collective too.
+
+CUDA. With ``side_streams`` (default on CUDA) (a) and (b) run on a side stream that
+first waits for the compute stream; the compute stream waits on events recorded after
+(a) and after (b) before it reads what they produced, and on the collectives
+themselves (``Awaitable.wait()`` makes the current stream wait). Tensors crossing
+streams are ``record_stream``-ed. ``debug_delay_s`` injects random ``torch.cuda._sleep``
+on the side stream (random host sleeps on CPU) so that a missing dependency would show.
+Limitation: (b) needs split sizes on the host (as any variable all-to-all does), so the
+host waits for the side stream there; running (b) from a helper thread would hide it.
+
+Not offered on this path: global gradient-norm clipping across embedding rows (it needs
+every gradient before any update). The embedding Function must sit outside any
+activation-checkpointed region (recomputation must never re-run it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm.base import Awaitable, Communicator
+from ..config import SparseOptimConfig, TableConfig
+from ..kernels import ranged_combine_backward
+from ..kernels.reference import gather_blocks
+from .collection import ShardedEmbeddingCollection, _IdDist
+
+__all__ = [
+    "PrioritizedEmbeddingCollection",
+    "PrioritizedStats",
+    "make_embedding_collection",
+    "MUTATIONS",
+]
+
+Features = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+#: test-only deliberate bugs, each of which the tier-1 exactness tests must catch
+MUTATIONS = (
+    "deferred_lr",  # deferred update with lr * (1 + 2**-20)
+    "deferred_step",  # deferred update with step index - 1
+    "drop_grad",  # rank 0 drops one received exclusive gradient, once
+    "skip_flush",  # flush() does nothing
+    "early_exclusive_lookup",  # (b) runs before (a)
+)
+
+_TRAILER = 6  # int64 per destination appended to the mask exchange (see _mask_exchange)
+_TRAILER_BYTES = 8 * _TRAILER
+
+
+# --------------------------------------------------------------------------- state
+@dataclass
+class PrioritizedStats:
+    """Counters of the prioritized schedule.
+
+    ``prioritized_steps``: steps whose embeddings came from a prioritized lookahead *and*
+    whose backward deferred its exclusive gradients (every step but the first and the
+    last of an undisturbed run); ``sync_steps``: every other training step; ``fallbacks``:
+    guardrail decisions that made step t+1 synchronous; ``flushes``: flush() calls that
+    had something to apply or drop. ``collision_*`` / ``exclusive_*`` / ``next_*``:
+    global (identical on every rank) sums over lookaheads of the distinct rows (``_rows``)
+    and occurrences (``_ids``) of t+1 at the owners. ``deferred_rows`` / ``deferred_ids``:
+    rows updated and gradients applied by deferred updates on *this* owner.
+    ``history``: per lookahead ``(step t+1, distinct share, occurrence share,
+    prioritized)``.
+    """
+
+    prioritized_steps: int = 0
+    sync_steps: int = 0
+    fallbacks: int = 0
+    flushes: int = 0
+    lookaheads: int = 0
+    collision_rows: int = 0
+    collision_ids: int = 0
+    exclusive_rows: int = 0
+    exclusive_ids: int = 0
+    next_rows: int = 0
+    next_ids: int = 0
+    deferred_rows: int = 0
+    deferred_ids: int = 0
+    history: list[tuple[int, float, float, bool]] = field(default_factory=list)
+
+    def collision_rate(self) -> dict[str, float]:
+        """Cumulative collision rate: share of distinct rows and share of occurrences."""
+        return {
+            "distinct": self.collision_rows / self.next_rows if self.next_rows else 0.0,
+            "occurrence": self.collision_ids / self.next_ids if self.next_ids else 0.0,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "history"}
+        out["collision_rate"] = self.collision_rate()
+        return out
+
+
+@dataclass
+class _Ahead:
+    """Step t+1's embeddings as prepared by step t (forward (b) and backward)."""
+
+    dist: _IdDist  # t+1's id dist (its step / lr are replaced at t+1's forward)
+    values: list[torch.Tensor]  # t+1's ids as given, to check the call of t+1
+    lengths: list[torch.Tensor]
+    prioritized: bool
+    ready: Any = None  # CUDA event recorded after (b) on the side stream
+    # requester side: merged = cat([collision rows, exclusive rows])[merge_perm]
+    merge_perm: torch.Tensor | None = None
+    coll_recv_splits: list[int] = field(default_factory=list)
+    excl_recv_splits: list[int] = field(default_factory=list)
+    # owner side
+    coll_keys: torch.Tensor | None = None
+    coll_send_splits: list[int] = field(default_factory=list)
+    excl_send_rows: torch.Tensor | None = None
+    excl_aw: Awaitable | None = None
+    coll_send_rows: torch.Tensor | None = None
+    coll_aw: Awaitable | None = None
+
+
+@dataclass
+class _GradSplit:
+    """How step t's gradients split by t+1's rows (computed at (b) of t)."""
+
+    # requester side: positions in t's shard-major send buffer
+    coll_pos: torch.Tensor
+    excl_pos: torch.Tensor
+    coll_send_splits: list[int]
+    excl_send_splits: list[int]
+    # owner side: shard rows of the received gradients, in received order
+    coll_keys: torch.Tensor
+    excl_keys: torch.Tensor
+    coll_recv_splits: list[int]
+    excl_recv_splits: list[int]
+
+
+@dataclass
+class _StepCtx:
+    """What step t's backward needs; lives from t's forward to t's backward."""
+
+    dist: _IdDist
+    generation: int
+    from_ahead: bool  # t's embeddings came from a prioritized lookahead
+    split: _GradSplit | None  # None: synchronous backward
+    ahead: _Ahead | None  # t+1's lookahead (its collision rows are sent by t's backward)
+    prev: _Ahead | None = None  # t's own lookahead (made by t-1), consumed by (c)
+    stream: Any = None
+    done: bool = False
+
+
+@dataclass
+class _Deferred:
+    """Step t's exclusive gradients in flight to their owners, applied at (a) of t+1."""
+
+    aw: Awaitable
+    keys: torch.Tensor
+    step: int
+    lr: float | None
+    send: torch.Tensor  # kept alive (and counted) until applied
+
+
+class _PrioritizedExchange(torch.autograd.Function):
+    """Forward: (c), the merge of t's embeddings; backward: t's gradient exchange."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, step_ctx):  # type: ignore[override]
+        ctx.module = module
+        ctx.step_ctx = step_ctx
+        return module._embeddings_of_step(step_ctx)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.module._backward_of_step(ctx.step_ctx, grad)
+        ctx.step_ctx = None
+        return None, None, None
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(int(t.numel()) * t.element_size() for t in ts if t is not None)
+
+
+def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    """Number of True entries of ``mask`` in each consecutive segment of ``splits``."""
+    cs = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask.to(torch.int64), 0, out=cs[1:])
+    ends = torch.tensor(splits, dtype=torch.int64).cumsum(0).to(mask.device)
+    starts = ends - torch.tensor(splits, dtype=torch.int64, device=mask.device)
+    return cs[ends] - cs[starts]
+
+
+def _blocks(x: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    dev = x.device
+    return gather_blocks(
+        x,
+        torch.tensor(list(starts), dtype=torch.int64, device=dev),
+        torch.tensor(list(sizes), dtype=torch.int64, device=dev),
+        int(sum(sizes)),
+    )
+
+
+def _offsets(splits: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in splits:
+        out.append(acc)
+        acc += int(s)
+    return out
+
+
+def _new_group_like(comm: Communicator) -> Communicator:
+    """A Communicator over the same ranks as ``comm`` on a new process group."""
+    if comm.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return Communicator(None, name=f"{comm.name}.side")
+    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+    backend = dist.get_backend(comm.group)
+    return Communicator(dist.new_group(ranks=ranks, backend=backend), name=f"{comm.name}.side")
+
+
+# ---------------------------------------------------------------------- the module
+class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
+    """Vanilla-equivalent sharded embeddings with prioritized (collision-first) updates.
+
+    Call as ``module(features_t, next_features=features_{t+1} or None)`` once per
+    training step, after :meth:`set_step`; ``features_{t+1}`` must be what the next call
+    receives (checked). Eval / no-grad calls first :meth:`flush`, then run the vanilla
+    lookup. See the module docstring for the schedule and why it is exact.
+
+    Options: ``max_collision_rate`` (guardrail: step t+1 runs synchronously when the
+    share of its id occurrences that hit rows of step t exceeds it), ``side_comm`` (the
+    communicator of the overlapped traffic; default a new group over ``comm``'s ranks),
+    ``side_streams`` (CUDA side stream; default on for CUDA), ``debug_delay_s`` (random
+    delays on the side work), ``_mutation`` (test-only, one of :data:`MUTATIONS`).
+    """
+
+    uses_next_features = True
+    #: disjoint ``stats.times`` keys of the sparse work inside forward / backward
+    forward_time_keys = (
+        "deferred_update",
+        "id_dist",
+        "collision_detect",
+        "excl_lookup",
+        "lookup",
+        "emb_a2a",
+        "coll_wait",
+        "excl_wait",
+    )
+    backward_time_keys = ("grad_a2a", "sparse_update", "coll_lookup")
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        comm: Communicator,
+        optim: SparseOptimConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        timing: bool = False,
+        *,
+        max_collision_rate: float = 0.9,
+        side_comm: Communicator | None = None,
+        side_streams: bool | None = None,
+        debug_delay_s: float = 0.0,
+        _mutation: str | None = None,
+    ) -> None:
+        super().__init__(tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing)
+        if _mutation is not None and _mutation not in MUTATIONS:
+            raise ValueError(f"unknown mutation '{_mutation}' (one of {MUTATIONS})")
+        if not 0.0 <= max_collision_rate <= 1.0:
+            raise ValueError(f"max_collision_rate must be in [0, 1], got {max_collision_rate}")
+        self.max_collision_rate = float(max_collision_rate)
+        self.side_comm = side_comm if side_comm is not None else _new_group_like(comm)
+        if side_streams is None:
+            side_streams = self.device.type == "cuda"
+        if side_streams and self.device.type != "cuda":
+            raise ValueError("side_streams needs a CUDA device")
+        self.side_streams = bool(side_streams)
+        self._side_stream = torch.cuda.Stream(self.device) if self.side_streams else None
+        self.debug_delay_s = float(debug_delay_s)
+        self._rng = random.Random(1_000_003 * (seed + 1) + comm.rank)
+        self._mutation = _mutation
+        self._mutation_fired = False
+        self.pstats = PrioritizedStats()
+        # collision bitmap over the shard's rows; all False between uses
+        self._bitmap = torch.zeros(self.plan.total_local_rows, dtype=torch.bool, device=self.device)
+        self._ahead: _Ahead | None = None
+        self._deferred: _Deferred | None = None
+        self._open: _StepCtx | None = None  # forward done, backward not yet
+        self._generation = 0
+        self._peak: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ streams
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.side_streams else None
+
+    def _on_side(self) -> contextlib.AbstractContextManager:
+        if self._side_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side_stream)
+
+    def _record(self, stream, *tensors: torch.Tensor | None) -> None:
+        """Tell the caching allocator that ``stream`` uses these tensors too."""
+        if stream is None:
+            return
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+
+    def _event_on_side(self):
+        if self._side_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._side_stream)
+        return ev
+
+    def _delay(self) -> None:
+        """``debug_delay_s``: a random delay on the side work (GPU sleep on the side
+        stream, host sleep otherwise)."""
+        if self.debug_delay_s <= 0:
+            return
+        s = self._rng.uniform(0.0, self.debug_delay_s)
+        if self._side_stream is not None:
+            khz = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0) or 1.5e6
+            torch.cuda._sleep(int(s * khz * 1e3))
+        else:
+            time.sleep(s)
+
+    # --------------------------------------------------------------------- api
+    def forward(  # type: ignore[override]
+        self, features: Features, next_features: Features | None = None
+    ) -> dict[str, torch.Tensor]:
+        missing = [f for f in self.plan.features if f not in features]
+        if missing:
+            raise KeyError(f"PrioritizedEmbeddingCollection: missing features {missing}")
+        if not (torch.is_grad_enabled() and self.training):
+            # evaluation: every deferred write first, then the plain lookup
+            if self._has_pending():
+                self.flush()
+            st = self.input_dist(features)
+            flat = self._lookup_exchange(st)
+            return dict(zip(self.plan.features, torch.split(flat, st.feature_sizes)))
+        if self._open is not None and not self._open.done:
+            raise RuntimeError(
+                "PrioritizedEmbeddingCollection: training forward of a new step before the "
+                "backward of the previous one (call flush() to abandon a step)"
+            )
+        if next_features is not None:
+            missing = [f for f in self.plan.features if f not in next_features]
+            if missing:
+                raise KeyError(f"PrioritizedEmbeddingCollection: next_features lack {missing}")
+        compute = self._compute_stream()
+        if self._side_stream is not None:
+            self._side_stream.wait_stream(compute)
+
+        ahead, self._ahead = self._ahead, None
+        early = self._mutation == "early_exclusive_lookup"
+        if ahead is not None:
+            self._check_ahead(ahead, features)
+            dist_t = replace(ahead.dist, step=self._step, lr=self._lr)
+        else:
+            dist_t = None
+        if not early:
+            with self._on_side():
+                self._apply_deferred()  # (a)
+        ev_a = self._event_on_side()
+        if dist_t is None:  # no lookahead for t: id dist now, on the compute stream
+            dist_t = self.input_dist(features)
+            if self._side_stream is not None:
+                self._record(self._side_stream, dist_t.recv_keys)
+                self._side_stream.wait_stream(compute)
+
+        split, nxt = None, None
+        if next_features is not None:  # (b)
+            with self._on_side():
+                nxt, split = self._look_ahead(dist_t, next_features)
+                nxt.ready = self._event_on_side()
+            self._record(
+                compute,
+                nxt.dist.recv_keys,
+                nxt.dist.unbucketize,
+                nxt.merge_perm,
+                nxt.coll_keys,
+                *(
+                    (split.coll_pos, split.excl_pos, split.coll_keys, split.excl_keys)
+                    if split is not None
+                    else ()
+                ),
+            )
+        if early:
+            with self._on_side():
+                self._apply_deferred()
+            ev_a = self._event_on_side()
+        if ev_a is not None:
+            compute.wait_event(ev_a)
+
+        ctx = _StepCtx(
+            dist=dist_t,
+            generation=self._generation,
+            from_ahead=ahead is not None and ahead.prioritized,
+            split=split,
+            ahead=nxt,
+            prev=ahead,
+            stream=compute,
+        )
+        self._ahead = nxt
+        self._open = ctx
+        flat = _PrioritizedExchange.apply(self._anchor, self, ctx)
+        self._note_memory()
+        return dict(zip(self.plan.features, torch.split(flat, dist_t.feature_sizes)))
+
+    def flush(self) -> None:
+        """Apply the deferred update and drop the lookahead, so that the tables hold every
+        update of the steps run so far and the next step runs synchronously. Collective:
+        every rank must call it at the same point (the trainer does: before evaluation,
+        on errors and at the end of training)."""
+        if self._mutation == "skip_flush":
+            return
+        had = self._has_pending()
+        with self._on_side():
+            self._apply_deferred()
+        if self._ahead is not None:
+            # in-flight collectives were issued by every rank: complete them, drop results
+            for aw in (self._ahead.excl_aw, self._ahead.coll_aw):
+                if aw is not None:
+                    aw.wait()
+            self._ahead = None
+        if self._open is not None and not self._open.done:
+            self._open.done = True  # its backward, should it run, is synchronous
+        self._open = None
+        self._generation += 1
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        if had:
+            self.pstats.flushes += 1
+
+    def extra_memory_bytes(self) -> dict[str, int]:
+        """Bytes held now beyond the vanilla collection: ``ids_ahead`` (t+1's id dist:
+        received shard rows and unbucketize permutation), ``exclusive_embeddings`` (t+1's,
+        owner send + requester receive buffers), ``collision_embeddings`` (t+1's, in
+        flight between t's backward and t+1's forward), ``deferred_gradients`` (t's
+        exclusive gradients, send + receive + keys), ``masks`` (positions / keys of the
+        collision and exclusive subsets), ``collision_bitmap`` (one byte per shard row)
+        and ``total``."""
+        out = {
+            "ids_ahead": 0,
+            "exclusive_embeddings": 0,
+            "collision_embeddings": 0,
+            "deferred_gradients": 0,
+            "masks": 0,
+            "collision_bitmap": _nbytes(self._bitmap),
+        }
+        a = self._ahead
+        if a is not None:
+            out["ids_ahead"] += _nbytes(a.dist.recv_keys, a.dist.unbucketize)
+            out["masks"] += _nbytes(a.merge_perm, a.coll_keys)
+            out["exclusive_embeddings"] += _nbytes(a.excl_send_rows)
+            if a.excl_aw is not None:
+                out["exclusive_embeddings"] += sum(a.excl_recv_splits) * self._row_bytes()
+            out["collision_embeddings"] += _nbytes(a.coll_send_rows)
+            if a.coll_aw is not None:
+                out["collision_embeddings"] += sum(a.coll_recv_splits) * self._row_bytes()
+        c = self._open
+        if c is not None and not c.done and c.split is not None:
+            s = c.split
+            out["masks"] += _nbytes(s.coll_pos, s.excl_pos, s.coll_keys, s.excl_keys)
+        d = self._deferred
+        if d is not None:
+            out["deferred_gradients"] += _nbytes(d.keys, d.send)
+            out["deferred_gradients"] += int(d.keys.numel()) * self._row_bytes()
+        out["total"] = sum(out.values())
+        return out
+
+    def peak_extra_memory_bytes(self) -> dict[str, int]:
+        """Per-category maxima of :meth:`extra_memory_bytes` over the run (sampled at the
+        end of every forward and backward)."""
+        return dict(self._peak)
+
+    # ------------------------------------------------------------ internals
+    def _row_bytes(self) -> int:
+        return self.plan.dim * self.weight.element_size()
+
+    def _has_pending(self) -> bool:
+        return (
+            self._deferred is not None
+            or self._ahead is not None
+            or (self._open is not None and not self._open.done)
+        )
+
+    def _note_memory(self) -> None:
+        for k, v in self.extra_memory_bytes().items():
+            if v > self._peak.get(k, -1):
+                self._peak[k] = v
+
+    def _check_ahead(self, ahead: _Ahead, features: Features) -> None:
+        """The ids looked ahead at step t must be the ids of step t+1."""
+        for f, v0, l0 in zip(self.plan.features, ahead.values, ahead.lengths):
+            v, ln = features[f]
+            same_v = v is v0 or (v.shape == v0.shape and torch.equal(v.to(v0.device), v0))
+            same_l = ln is l0 or (ln.shape == l0.shape and torch.equal(ln.to(l0.device), l0))
+            if not (same_v and same_l):
+                raise ValueError(
+                    f"PrioritizedEmbeddingCollection: feature '{f}' of this step differs from "
+                    "the next_features given at the previous step"
+                )
+
+    # (a) -------------------------------------------------------------------
+    def _apply_deferred(self) -> None:
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        t0 = self._tic()
+        self._delay()
+        grads = d.aw.wait()  # on CUDA: the current (side) stream waits for it
+        self._record(self._side_stream, grads, d.keys)
+        keys, step = d.keys, d.step
+        lr = self.optim_cfg.lr if d.lr is None else d.lr
+        if self._mutation == "deferred_lr":
+            lr = lr * (1.0 + 2.0**-20)
+        elif self._mutation == "deferred_step":
+            step = max(step - 1, 1)
+        elif (
+            self._mutation == "drop_grad"
+            and not self._mutation_fired
+            and self.comm.rank == 0
+            and keys.numel() > 0
+        ):
+            keys, grads = keys[:-1], grads[:-1]
+            self._mutation_fired = True
+        n = self.apply_gradients(keys, grads, step, lr)
+        self.pstats.deferred_rows += n
+        self.pstats.deferred_ids += int(keys.numel())
+        self._toc("deferred_update", t0)
+
+    # (b) -------------------------------------------------------------------
+    def _look_ahead(
+        self, dist_t: _IdDist, next_features: Features
+    ) -> tuple[_Ahead, _GradSplit | None]:
+        plan = self.plan
+        dn = self.input_dist(next_features)
+        values = [next_features[f][0] for f in plan.features]
+        lengths = [next_features[f][1] for f in plan.features]
+        keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
+        t0 = self._tic()
+        # collision bitmap at the owner, in shard-major form
+        bm = self._bitmap
+        bm[keys_t] = True
+        coll_n = bm[keys_n]  # ids of t+1 whose row t touches
+        bm[keys_t] = False
+        bm[keys_n] = True
+        reap_t = bm[keys_t]  # ids of t whose row t+1 touches
+        bm[keys_n] = False
+        coll_y, reap_y, decision, sums = self._mask_exchange(dist_t, dn, coll_n, reap_t)
+        tr, own = sums
+        self._toc("collision_detect", t0)
+        coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
+        coll_rows, total_rows = int(tr[:, 4].sum()), int(tr[:, 5].sum())
+        ps = self.pstats
+        ps.lookaheads += 1
+        ps.collision_ids += coll_occ
+        ps.collision_rows += coll_rows
+        ps.exclusive_ids += total_occ - coll_occ
+        ps.exclusive_rows += total_rows - coll_rows
+        ps.next_ids += total_occ
+        ps.next_rows += total_rows
+        ps.history.append(
+            (
+                self._step + 1,
+                coll_rows / total_rows if total_rows else 0.0,
+                coll_occ / total_occ if total_occ else 0.0,
+                decision,
+            )
+        )
+        ahead = _Ahead(dist=dn, values=values, lengths=lengths, prioritized=decision)
+        if not decision:
+            ps.fallbacks += 1
+            return ahead, None
+        w = self.comm.world_size
+        # owner side
+        reap_per_src, coll_per_src = own[:w], own[w : 2 * w]
+        excl_keys_n = keys_n[~coll_n]
+        ahead.coll_keys = keys_n[coll_n]
+        ahead.coll_send_splits = coll_per_src
+        excl_send_splits = [a - b for a, b in zip(dn.recv_splits, coll_per_src)]
+        # requester side
+        ahead.coll_recv_splits = tr[:, 1].tolist()
+        ahead.excl_recv_splits = [a - b for a, b in zip(dn.send_splits, ahead.coll_recv_splits)]
+        n_coll = sum(ahead.coll_recv_splits)
+        rank_coll = torch.cumsum(coll_y.to(torch.int64), 0) - 1
+        rank_excl = torch.cumsum((~coll_y).to(torch.int64), 0) - 1 + n_coll
+        ahead.merge_perm = torch.where(coll_y, rank_coll, rank_excl).index_select(0, dn.unbucketize)
+        g_coll = tr[:, 0].tolist()
+        split = _GradSplit(
+            coll_pos=torch.nonzero(reap_y).squeeze(1),
+            excl_pos=torch.nonzero(~reap_y).squeeze(1),
+            coll_send_splits=g_coll,
+            excl_send_splits=[a - b for a, b in zip(dist_t.send_splits, g_coll)],
+            coll_keys=keys_t[reap_t],
+            excl_keys=keys_t[~reap_t],
+            coll_recv_splits=reap_per_src,
+            excl_recv_splits=[a - b for a, b in zip(dist_t.recv_splits, reap_per_src)],
+        )
+        # t+1's exclusive rows: every earlier update of them is applied (see docstring)
+        self._delay()
+        t0 = self._tic()
+        rows = self.weight.index_select(0, excl_keys_n)
+        ahead.excl_send_rows = rows
+        ahead.excl_aw = self.side_comm.all_to_all_v(
+            rows, excl_send_splits, ahead.excl_recv_splits, name="exclusive_embeddings"
+        )
+        self.stats.emb_bytes_sent += (
+            sum(excl_send_splits) - excl_send_splits[self.comm.rank]
+        ) * self._row_bytes()
+        self._toc("excl_lookup", t0)
+        return ahead, split
+
+    def _mask_exchange(
+        self, dist_t: _IdDist, dn: _IdDist, coll_n: torch.Tensor, reap_t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
+        """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
+        t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
+        collision count of s, collision ids, ids, collision rows, distinct rows of t+1 at
+        this owner)]. Every rank receives every owner's totals, so all ranks compute the
+        same global rate and take the same guardrail decision."""
+        w, dev = self.comm.world_size, self.device
+        keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
+        reap_per_src = _seg_sums(reap_t, dist_t.recv_splits)
+        coll_per_src = _seg_sums(coll_n, dn.recv_splits)
+        coll_rows = torch.unique(keys_t[reap_t]).numel()
+        total_rows = torch.unique(keys_n).numel()
+        own = torch.cat([reap_per_src, coll_per_src]).cpu().tolist()
+        totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
+        trailer = torch.tensor(
+            [[own[s], own[w + s], *totals] for s in range(w)], dtype=torch.int64
+        ).to(dev)
+        x = torch.cat(
+            [reap_t.to(torch.uint8), coll_n.to(torch.uint8), trailer.view(torch.uint8).reshape(-1)]
+        )
+        nt, nn_ = int(keys_t.numel()), int(keys_n.numel())
+        st, sn = _offsets(dist_t.recv_splits), _offsets(dn.recv_splits)
+        starts, sizes = [], []
+        for s in range(w):
+            starts += [st[s], nt + sn[s], nt + nn_ + _TRAILER_BYTES * s]
+            sizes += [dist_t.recv_splits[s], dn.recv_splits[s], _TRAILER_BYTES]
+        payload = _blocks(x, starts, sizes)
+        out_splits = [a + b + _TRAILER_BYTES for a, b in zip(dist_t.send_splits, dn.send_splits)]
+        in_splits = [a + b + _TRAILER_BYTES for a, b in zip(dist_t.recv_splits, dn.recv_splits)]
+        y = self.comm.all_to_all_v(payload, in_splits, out_splits, name="collision_masks").wait()
+        oy = _offsets(out_splits)
+        reap_y = _blocks(
+            y, [oy[d] for d in range(w)], [dist_t.send_splits[d] for d in range(w)]
+        ).bool()
+        coll_y = _blocks(
+            y,
+            [oy[d] + dist_t.send_splits[d] for d in range(w)],
+            [dn.send_splits[d] for d in range(w)],
+        ).bool()
+        tr = _blocks(
+            y,
+            [oy[d] + dist_t.send_splits[d] + dn.send_splits[d] for d in range(w)],
+            [_TRAILER_BYTES] * w,
+        )
+        tr = tr.view(torch.int64).reshape(w, _TRAILER).cpu()
+        coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
+        decision = total_occ == 0 or coll_occ <= self.max_collision_rate * total_occ
+        return coll_y, reap_y, decision, (tr, own)
+
+    # (c) -------------------------------------------------------------------
+    def _embeddings_of_step(self, ctx: _StepCtx) -> torch.Tensor:
+        prev, ctx.prev = ctx.prev, None
+        compute = ctx.stream
+        if prev is not None and prev.ready is not None:
+            compute.wait_event(prev.ready)
+        if not ctx.from_ahead:
+            return self._lookup_exchange(ctx.dist)
+        assert prev is not None and prev.excl_aw is not None
+        if prev.coll_aw is None:  # pragma: no cover - guarded by the forward's check
+            raise RuntimeError("collision rows of this step were never sent")
+        t0 = self._tic()
+        coll = prev.coll_aw.wait()
+        self._toc("coll_wait", t0)
+        t0 = self._tic()
+        excl = prev.excl_aw.wait()
+        self._record(compute, excl)
+        self._toc("excl_wait", t0)
+        merged = torch.cat([coll, excl]).index_select(0, prev.merge_perm)
+        return merged
+
+    # backward ---------------------------------------------------------------
+    def _backward_of_step(self, ctx: _StepCtx, grad: torch.Tensor) -> None:
+        stale = ctx.generation != self._generation or ctx.done
+        ctx.done = True
+        if self._open is ctx:
+            self._open = None
+        stream_cm = (
+            torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
+        )
+        with stream_cm:
+            if stale or ctx.split is None:
+                self._grad_exchange_and_update(ctx.dist, grad)
+                self.pstats.sync_steps += 1
+            else:
+                if ctx.ahead is not None and ctx.ahead.ready is not None:
+                    ctx.stream.wait_event(ctx.ahead.ready)
+                self._split_backward(ctx, grad)
+                if ctx.from_ahead:
+                    self.pstats.prioritized_steps += 1
+                else:
+                    self.pstats.sync_steps += 1
+        self._note_memory()
+
+    def _split_backward(self, ctx: _StepCtx, grad: torch.Tensor) -> None:
+        st, sp, nxt = ctx.dist, ctx.split, ctx.ahead
+        assert sp is not None and nxt is not None
+        t0 = self._tic()
+        grad = grad.contiguous().to(self.dtype)
+        send = ranged_combine_backward(grad, st.unbucketize)  # shard-major, t's send order
+        g_coll = send.index_select(0, sp.coll_pos)
+        g_excl = send.index_select(0, sp.excl_pos)
+        recv = self.comm.all_to_all_v(
+            g_coll, sp.coll_send_splits, sp.coll_recv_splits, name="collision_grads"
+        ).wait()
+        rb = self._row_bytes()
+        self.stats.grad_bytes_sent += (
+            sum(sp.coll_send_splits) - sp.coll_send_splits[self.comm.rank]
+        ) * rb
+        self._toc("grad_a2a", t0)
+        t0 = self._tic()
+        self.apply_gradients(sp.coll_keys, recv, st.step, st.lr)
+        self._toc("sparse_update", t0)
+        # t+1's collision rows, now updated: what (c) of t+1 waits for
+        t0 = self._tic()
+        rows = self.weight.index_select(0, nxt.coll_keys)
+        nxt.coll_send_rows = rows
+        nxt.coll_aw = self.comm.all_to_all_v(
+            rows, nxt.coll_send_splits, nxt.coll_recv_splits, name="collision_embeddings"
+        )
+        self.stats.emb_bytes_sent += (
+            sum(nxt.coll_send_splits) - nxt.coll_send_splits[self.comm.rank]
+        ) * rb
+        self._toc("coll_lookup", t0)
+        # t's exclusive gradients: applied at (a) of t+1
+        aw = self.side_comm.all_to_all_v(
+            g_excl, sp.excl_send_splits, sp.excl_recv_splits, name="exclusive_grads"
+        )
+        self.stats.grad_bytes_sent += (
+            sum(sp.excl_send_splits) - sp.excl_send_splits[self.comm.rank]
+        ) * rb
+        self._deferred = _Deferred(aw=aw, keys=sp.excl_keys, step=st.step, lr=st.lr, send=g_excl)
+        self.stats.steps += 1
+
+
+# ---------------------------------------------------------------------- factory
+def make_embedding_collection(
+    kind: str,
+    tables: Sequence[TableConfig],
+    comm: Communicator,
+    optim: SparseOptimConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    timing: bool = False,
+    **options: Any,
+) -> ShardedEmbeddingCollection:
+    """The embedding collection of a training mode: ``"vanilla"`` (synchronous, TorchRec's
+    schedule) or ``"prioritized"`` (this module; ``options`` go to its constructor)."""
+    if kind == "vanilla":
+        if options:
+            raise ValueError(f"the vanilla collection takes no options, got {sorted(options)}")
+        return ShardedEmbeddingCollection(
+            tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing
+        )
+    if kind == "prioritized":
+        return PrioritizedEmbeddingCollection(
+            tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing, **options
+        )
+    raise ValueError(f"unknown embedding collection kind '{kind}' (vanilla, prioritized)")

@@ -1,0 +1,418 @@
+"""Prioritized embedding updates: tier 1 (bit-for-bit equal to vanilla), mutations, guardrail.
+
+Every multi-rank case trains the real :class:`~freescale.pipeline.trainer.Trainer` on real
+gloo ranks (shared pools, tests/conftest.py) twice, once with the vanilla collection and
+once with :class:`PrioritizedEmbeddingCollection` swapped in before training, and compares
+sparse rows, optimizer state and dense parameters with ``torch.equal``. Data: synthetic,
+Zipf items over a small table plus collision injection (``overlap=0.4``) and a 3-row action
+table, so about 80% of the id occurrences of a step (45% of its distinct rows) hit rows of
+the previous step. Step counts: 200 steps per optimizer (SGD, row-wise Adagrad, Adam) at
+2 and at 4 ranks; the mutation and flush cases run 60 steps, the guardrail cases 60 and
+200, at 2 ranks. About two minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import pytest
+import torch
+
+from freescale.comm.base import Communicator
+from freescale.config import (
+    DataConfig,
+    ModelConfig,
+    SparseOptimConfig,
+    TableConfig,
+    TrainConfig,
+)
+from freescale.data.batch import JaggedBatch
+from freescale.embedding.collection import ShardedEmbeddingCollection
+from freescale.embedding.prioritized import (
+    MUTATIONS,
+    PrioritizedEmbeddingCollection,
+    make_embedding_collection,
+)
+from freescale.pipeline.trainer import Trainer, TrainerHook
+
+STEPS_2 = 200  # steps per optimizer at 2 ranks
+STEPS_4 = 200  # steps per optimizer at 4 ranks
+STEPS_SHORT = 60  # mutation and flush cases
+
+
+def config(kind: str, steps: int, eval_every: int = 0) -> TrainConfig:
+    return TrainConfig(
+        data=DataConfig(
+            seed=11,
+            global_batch_size=8,
+            num_items=300,
+            num_actions=3,
+            median_uih=6,
+            max_uih=16,
+            num_candidates=2,
+            eval_samples=8,
+            overlap=0.4,
+            zipf_s=1.1,
+        ),
+        model=ModelConfig(
+            embedding_dim=8, num_layers=1, num_heads=2, max_positions=64, dtype="float32"
+        ),
+        sparse_optim=SparseOptimConfig(kind=kind, lr=0.05),
+        steps=steps,
+        eval_every=eval_every,
+        progress=False,
+        device="cpu",
+        dense_lr=1e-2,
+        log_every=10_000,
+    )
+
+
+class _Snapshot(TrainerHook):
+    """A mid-run checkpoint: at the given steps, flush and copy the shard state."""
+
+    def __init__(self, steps: tuple[int, ...]):
+        self.steps = steps
+        self.taken: dict[int, dict] = {}
+
+    def on_metrics(self, trainer, step, record):
+        if step in self.steps:
+            trainer.flush()
+            self.taken[step] = _sparse_state(trainer)
+
+
+class _AllOnRankZero(TrainerHook):
+    """A legal placement: rank 0 trains the whole global batch, the others nothing."""
+
+    def on_batch(self, trainer, step, batch):
+        gb = trainer.source.global_batch(step)
+        out = gb if trainer.rank == 0 else JaggedBatch.empty(trainer.uih_keys, step)
+        out.extras = batch.extras
+        return out
+
+
+def _sparse_state(tr: Trainer) -> dict:
+    return {
+        "tables": {n: v.clone() for n, (_, v) in tr.sparse.shard_tables().items()},
+        "optim": {
+            n: {k: v.clone() for k, (_, v) in d.items()}
+            for n, d in tr.sparse.shard_optimizer_state().items()
+        },
+    }
+
+
+def train_run(rank, world, cfg, mode, opts, snapshot_steps=(), all_on_rank_zero=False):
+    """One training run; returns the final state, counters and mid-run observations."""
+    snap = _Snapshot(tuple(snapshot_steps))
+    hooks = [snap] + ([_AllOnRankZero()] if all_on_rank_zero else [])
+    tr = Trainer(cfg, hooks=hooks)
+    if mode != "vanilla":
+        tr.sparse = make_embedding_collection(
+            mode,
+            tr.tables,
+            tr.emb_comm,
+            cfg.sparse_optim,
+            device=tr.device,
+            dtype=tr.dtype,
+            seed=cfg.seed,
+            timing=True,
+            **dict(opts),
+        )
+    summary = tr.train()
+    out = {
+        **_sparse_state(tr),
+        "dense": {k: v.detach().clone() for k, v in tr.dense.state_dict().items()},
+        "eval": [
+            {k: v for k, v in e.items() if k in ("step", "eval_ne", "eval_auc")}
+            for e in tr.eval_history
+        ],
+        "snapshots": snap.taken,
+        "steps": tr.step,
+        "rows_updated": tr.sparse.stats.rows_updated,
+        "ne": summary.get("eval_ne"),
+    }
+    if isinstance(tr.sparse, PrioritizedEmbeddingCollection):
+        ps = tr.sparse.pstats
+        out["pstats"] = ps.as_dict()
+        out["history"] = list(ps.history)
+        out["peak_memory"] = tr.sparse.peak_extra_memory_bytes()
+        out["memory_after"] = tr.sparse.extra_memory_bytes()
+        out["mutation_fired"] = tr.sparse._mutation_fired
+    tr.close()
+    return out
+
+
+def _pool(world, pool2, pool4):
+    return {2: pool2, 4: pool4}[world]
+
+
+_CACHE: dict = {}
+
+
+def run(pool, cfg, mode="vanilla", snapshot_steps=(), all_on_rank_zero=False, **opts):
+    """Cached pool run (vanilla references are shared between tests)."""
+    key = (
+        pool.world_size,
+        repr(cfg),
+        mode,
+        tuple(sorted(opts.items())),
+        tuple(snapshot_steps),
+        all_on_rank_zero,
+    )
+    if key not in _CACHE:
+        _CACHE[key] = pool.run(
+            train_run, cfg, mode, tuple(sorted(opts.items())), snapshot_steps, all_on_rank_zero
+        )
+    return _CACHE[key]
+
+
+def differences(a: list[dict], b: list[dict]) -> list[str]:
+    """Names of every tensor that is not bit-for-bit equal between two runs."""
+    bad = []
+
+    def cmp(x, y, where):
+        if isinstance(x, dict):
+            for k in x:
+                cmp(x[k], y[k], f"{where}.{k}")
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                bad.append(where)
+        elif isinstance(x, list):
+            for i, (u, v) in enumerate(zip(x, y)):
+                cmp(u, v, f"{where}[{i}]")
+        elif x != y and not (x != x and y != y):  # NaN == NaN here
+            bad.append(where)
+
+    for r, (x, y) in enumerate(zip(a, b)):
+        for part in ("tables", "optim", "dense", "eval", "snapshots"):
+            cmp(x[part], y[part], f"rank{r}.{part}")
+    return bad
+
+
+def assert_really_active(res: list[dict], steps: int) -> None:
+    for r in res:
+        ps = r["pstats"]
+        assert ps["prioritized_steps"] == steps - 2, ps  # all but the first and the last
+        assert ps["sync_steps"] == 2, ps
+        assert ps["fallbacks"] == 0, ps
+        assert ps["collision_rows"] > 0 and ps["exclusive_rows"] > 0, ps
+        assert r["history"] == res[0]["history"], "every rank takes the same decisions"
+    assert sum(r["pstats"]["deferred_rows"] for r in res) > 0
+
+
+# ------------------------------------------------------------------ tier 1
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_bitwise_equal_to_vanilla(world, kind, pool2, pool4):
+    pool = _pool(world, pool2, pool4)
+    steps = STEPS_2 if world == 2 else STEPS_4
+    cfg = config(kind, steps)
+    van = run(pool, cfg)
+    pri = run(pool, cfg, "prioritized", max_collision_rate=1.0)
+    rate = pri[0]["pstats"]["collision_rate"]
+    print(
+        f"{kind} at {world} ranks, {steps} steps: collision rate {rate['distinct']:.3f} of "
+        f"distinct rows, {rate['occurrence']:.3f} of occurrences; "
+        f"peak extra memory {pri[0]['peak_memory']}"
+    )
+    assert differences(pri, van) == []
+    assert all(r["steps"] == steps for r in pri)
+    assert_really_active(pri, steps)
+    # nothing is left over after training; the rows updated are the vanilla ones
+    for r in pri:
+        after = r["memory_after"]
+        assert after["total"] == after["collision_bitmap"], after
+    assert sum(r["rows_updated"] for r in pri) == sum(r["rows_updated"] for r in van)
+    peak = pri[0]["peak_memory"]
+    for key in ("ids_ahead", "exclusive_embeddings", "deferred_gradients", "masks"):
+        assert peak[key] > 0, peak
+
+
+def test_empty_rank_is_legal(pool2):
+    """All samples on rank 0 (a legal placement, as balancing may produce): rank 1 sends no
+    id, yet owns rows and receives ids, masks and gradients."""
+    cfg = config("rowwise_adagrad", 40)
+    van = run(pool2, cfg, all_on_rank_zero=True)
+    pri = run(pool2, cfg, "prioritized", all_on_rank_zero=True, max_collision_rate=1.0)
+    assert differences(pri, van) == []
+    assert_really_active(pri, 40)
+
+
+def test_random_side_delays_change_nothing(pool2):
+    """``debug_delay_s``: random sleeps before the deferred update and the exclusive
+    lookup (host sleeps on CPU; ``torch.cuda._sleep`` on the side stream on GPU)."""
+    cfg = config("adam", 40)
+    van = run(pool2, cfg)
+    pri = run(pool2, cfg, "prioritized", max_collision_rate=1.0, debug_delay_s=0.004)
+    assert differences(pri, van) == []
+    assert_really_active(pri, 40)
+
+
+# --------------------------------------------------- flush, eval, checkpoints
+FLUSH_EVAL_EVERY = 20  # evaluations after steps 20 and 40 (each calls flush)
+FLUSH_SNAPSHOTS = (30, 45)  # hook-driven flush + checkpoint-like copy of the shard state
+
+
+def test_flush_for_eval_and_checkpoints_mid_run(pool2):
+    cfg = config("adam", STEPS_SHORT, eval_every=FLUSH_EVAL_EVERY)
+    van = run(pool2, cfg, snapshot_steps=FLUSH_SNAPSHOTS)
+    pri = run(pool2, cfg, "prioritized", snapshot_steps=FLUSH_SNAPSHOTS, max_collision_rate=1.0)
+    assert differences(pri, van) == []
+    assert len(pri[0]["eval"]) == 3 and len(pri[0]["snapshots"]) == 2
+    # the step after each flush runs synchronously (its lookahead was dropped)
+    flushed_after = {20, 40, *FLUSH_SNAPSHOTS}
+    sync = {1, STEPS_SHORT} | {s + 1 for s in flushed_after}
+    for r in pri:
+        ps = r["pstats"]
+        assert ps["sync_steps"] == len(sync) and ps["prioritized_steps"] == STEPS_SHORT - len(sync)
+        assert ps["flushes"] == len(flushed_after), ps
+
+
+# ----------------------------------------------------------------- mutations
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_mutation_is_caught(mutation, pool2):
+    """Each deliberate bug breaks bit-for-bit equality (with Adam, mid-run evaluation and
+    checkpoint-like flushes, so every mutation has something to break)."""
+    cfg = config("adam", STEPS_SHORT, eval_every=FLUSH_EVAL_EVERY)
+    van = run(pool2, cfg, snapshot_steps=FLUSH_SNAPSHOTS)
+    bad = run(
+        pool2,
+        cfg,
+        "prioritized",
+        snapshot_steps=FLUSH_SNAPSHOTS,
+        max_collision_rate=1.0,
+        _mutation=mutation,
+    )
+    diff = differences(bad, van)
+    print(f"{mutation}: {len(diff)} tensors differ, e.g. {diff[:3]}")
+    assert diff, f"mutation '{mutation}' was not caught"
+    if mutation == "drop_grad":
+        assert bad[0]["mutation_fired"]
+
+
+# ----------------------------------------------------------------- guardrail
+def test_guardrail_all_fallback_is_still_exact(pool2):
+    cfg = config("rowwise_adagrad", STEPS_SHORT)
+    van = run(pool2, cfg)
+    pri = run(pool2, cfg, "prioritized", max_collision_rate=0.0)
+    assert differences(pri, van) == []
+    for r in pri:
+        ps = r["pstats"]
+        # every step collides on the 3-row action table: every lookahead falls back
+        assert ps["fallbacks"] == ps["lookaheads"] == STEPS_SHORT - 1, ps
+        assert ps["prioritized_steps"] == 0 and ps["sync_steps"] == STEPS_SHORT, ps
+        assert ps["deferred_rows"] == 0, ps
+
+
+def test_guardrail_switches_both_ways_and_stays_exact(pool2):
+    """Threshold at the median per-step occurrence share: the schedule switches between
+    prioritized and synchronous many times, in both directions, and stays exact."""
+    steps = STEPS_2
+    cfg = config("rowwise_adagrad", steps)
+    free = run(pool2, cfg, "prioritized", max_collision_rate=1.0)
+    threshold = statistics.median(h[2] for h in free[0]["history"])
+    van = run(pool2, cfg)
+    pri = run(pool2, cfg, "prioritized", max_collision_rate=threshold)
+    assert differences(pri, van) == []
+    decisions = [h[3] for h in pri[0]["history"]]
+    assert decisions == [h[2] <= threshold for h in free[0]["history"]]
+    to_sync = sum(1 for a, b in zip(decisions, decisions[1:]) if a and not b)
+    to_prio = sum(1 for a, b in zip(decisions, decisions[1:]) if not a and b)
+    ps = pri[0]["pstats"]
+    print(
+        f"threshold {threshold:.4f}: {ps['fallbacks']} fallbacks, {to_sync} switches to sync, "
+        f"{to_prio} back to prioritized, {ps['prioritized_steps']} prioritized steps"
+    )
+    assert to_sync > 0 and to_prio > 0
+    assert ps["fallbacks"] == decisions.count(False) > 0
+    # step t+1 is fully prioritized iff the decisions at t-1->t and t->t+1 both were
+    both = sum(1 for a, b in zip(decisions, decisions[1:]) if a and b)
+    assert ps["prioritized_steps"] == both
+    assert ps["prioritized_steps"] + ps["sync_steps"] == steps
+    for r in pri:
+        assert r["history"] == pri[0]["history"]
+
+
+# ------------------------------------------------------------ single process
+TABLES = [TableConfig("item", 50, 4, ["uih", "cand"]), TableConfig("act", 3, 4, ["act"])]
+
+
+def _features(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 6, (3,), generator=g)
+    n = int(lengths.sum())
+    return {
+        "uih": (torch.randint(0, 50, (n,), generator=g) % 13, lengths),
+        "act": (torch.randint(0, 3, (n,), generator=g), lengths),
+        "cand": (torch.randint(0, 50, (6,), generator=g), torch.full((3,), 2)),
+    }
+
+
+@functools.cache
+def _single(kind: str, prioritized: bool, steps: int):
+    comm = Communicator(None)
+    cls = PrioritizedEmbeddingCollection if prioritized else ShardedEmbeddingCollection
+    opts = {"max_collision_rate": 1.0} if prioritized else {}
+    emb = cls(TABLES, comm, SparseOptimConfig(kind, lr=0.1), seed=3, **opts)
+    for t in range(1, steps + 1):
+        emb.set_step(t, 0.1 / t)  # a learning-rate schedule: deferred updates keep theirs
+        feats = _features(t)
+        if prioritized:
+            out = emb(feats, next_features=_features(t + 1) if t < steps else None)
+        else:
+            out = emb(feats)
+        g = torch.Generator().manual_seed(1000 + t)
+        sum((o * torch.randn(o.shape, generator=g)).sum() for o in out.values()).backward()
+    return emb
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+def test_single_process_with_lr_schedule(kind):
+    van, pri = _single(kind, False, 40), _single(kind, True, 40)
+    assert torch.equal(van.weight, pri.weight)
+    for k, v in van.optimizer.state.items():
+        assert torch.equal(v, pri.optimizer.state[k])
+    assert pri.pstats.prioritized_steps == 38 and pri.pstats.deferred_rows > 0
+
+
+def test_lookahead_must_match_the_next_call():
+    emb = PrioritizedEmbeddingCollection(
+        TABLES, Communicator(None), SparseOptimConfig("sgd", lr=0.1)
+    )
+    emb.set_step(1)
+    out = emb(_features(1), next_features=_features(2))
+    sum(o.sum() for o in out.values()).backward()
+    emb.set_step(2)
+    with pytest.raises(ValueError, match="differs from the next_features"):
+        emb(_features(3), next_features=None)
+
+
+def test_eval_forward_flushes_and_backward_is_required():
+    emb = PrioritizedEmbeddingCollection(
+        TABLES, Communicator(None), SparseOptimConfig("adam", lr=0.1)
+    )
+    emb.set_step(1)
+    out = emb(_features(1), next_features=_features(2))
+    with pytest.raises(RuntimeError, match="before the backward"):
+        emb(_features(2), next_features=_features(3))
+    sum(o.sum() for o in out.values()).backward()
+    assert emb.extra_memory_bytes()["deferred_gradients"] > 0
+    with torch.no_grad():
+        emb(_features(5))  # evaluation: applies the deferred update first
+    mem = emb.extra_memory_bytes()
+    assert mem["total"] == mem["collision_bitmap"]
+    assert emb.pstats.flushes == 1
+
+
+def test_factory():
+    comm = Communicator(None)
+    opt = SparseOptimConfig("sgd", lr=0.1)
+    assert type(make_embedding_collection("vanilla", TABLES, comm, opt)) is (
+        ShardedEmbeddingCollection
+    )
+    p = make_embedding_collection("prioritized", TABLES, comm, opt, max_collision_rate=0.5)
+    assert isinstance(p, PrioritizedEmbeddingCollection) and p.max_collision_rate == 0.5
+    with pytest.raises(ValueError, match="unknown"):
+        make_embedding_collection("sdd", TABLES, comm, opt)
+    with pytest.raises(ValueError, match="mutation"):
+        PrioritizedEmbeddingCollection(TABLES, comm, opt, _mutation="nope")
