@@ -59,6 +59,18 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-lr", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-samples", type=int, default=None)
+    p.add_argument(
+        "--mode",
+        choices=["vanilla", "prioritized"],
+        default="vanilla",
+        help="embedding schedule (prioritized: DESIGN.md 2.2, bitwise equal)",
+    )
+    p.add_argument(
+        "--max-collision-rate",
+        type=float,
+        default=0.9,
+        help="prioritized guardrail: above this occurrence share, run synchronously",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--log", default=None, help="JSON-lines log path (rank 0)")
@@ -111,6 +123,8 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         device=args.device,
         log_path=args.log,
         progress=not args.no_progress,
+        mode=args.mode,
+        max_collision_rate=args.max_collision_rate,
     )
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr

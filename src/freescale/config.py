@@ -138,7 +138,10 @@ class TrainConfig:
     log_path: str | None = None  # JSON lines
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    mode: Literal["vanilla"] = "vanilla"
+    # embedding schedule: "vanilla" (synchronous, TorchRec-equivalent) or "prioritized"
+    # (DESIGN.md 2.2: only collision rows on the critical path; bitwise equal)
+    mode: Literal["vanilla", "prioritized"] = "vanilla"
+    max_collision_rate: float = 0.9  # prioritized guardrail (occurrence share)
 
     def __post_init__(self) -> None:
         if self.steps < 0:

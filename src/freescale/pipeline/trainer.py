@@ -43,7 +43,7 @@ from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tab
 from ..data.batch import JaggedBatch
 from ..data.loader import PrefetchingLoader
 from ..data.validate import BadInputError, validate_batch
-from ..embedding.collection import ShardedEmbeddingCollection
+from ..embedding.prioritized import make_embedding_collection
 from ..metrics.auc import AUCAccumulator
 from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
@@ -128,7 +128,9 @@ class Trainer:
         else:
             self.emb_comm = Communicator(None, name="embedding")
             self.meta_comm = Communicator(None, name="meta")
-        self.sparse = ShardedEmbeddingCollection(
+        opts = {"max_collision_rate": cfg.max_collision_rate} if cfg.mode == "prioritized" else {}
+        self.sparse = make_embedding_collection(
+            cfg.mode,
             self.tables,
             self.emb_comm,
             cfg.sparse_optim,
@@ -136,6 +138,7 @@ class Trainer:
             dtype=self.dtype,
             seed=cfg.seed,
             timing=True,
+            **opts,
         )
         torch.manual_seed(cfg.seed)
         self.dense = SequenceRecModel(cfg.model, self.uih_keys, self.sparse.plan.dim).to(
@@ -322,8 +325,10 @@ class Trainer:
 
         st = self.sparse.stats.times
         times.values.update({f"emb.{k}": v for k, v in st.items()})
-        fwd_sparse = st.get("id_dist", 0) + st.get("lookup", 0) + st.get("emb_a2a", 0)
-        bwd_sparse = st.get("grad_a2a", 0) + st.get("sparse_update", 0)
+        fkeys = getattr(self.sparse, "forward_time_keys", ("id_dist", "lookup", "emb_a2a"))
+        bkeys = getattr(self.sparse, "backward_time_keys", ("grad_a2a", "sparse_update"))
+        fwd_sparse = sum(st.get(k, 0.0) for k in fkeys)
+        bwd_sparse = sum(st.get(k, 0.0) for k in bkeys)
         times.add(
             "dense", times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse
         )
