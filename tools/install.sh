@@ -19,5 +19,5 @@ if [[ "${1:-}" == "--dev" ]]; then
   $PIP install $quiet "fbgemm-gpu-cpu==1.8.0"
   $PIP install $quiet --no-deps "torchrec==1.8.0"
   $PIP install $quiet tensordict torchmetrics pyre-extensions iopath \
-    "pytest>=8" "pytest-timeout>=2.3" "ruff>=0.6" matplotlib
+    "pytest>=8" "pytest-timeout>=2.3" "ruff==0.17.6" matplotlib
 fi
