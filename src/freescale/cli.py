@@ -34,7 +34,19 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="local ranks (default: one per GPU, else 2 CPU ranks)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help="total steps of the run (a resumed run trains the remaining ones)",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="checkpoint root (follows 'latest') or a step_N folder to resume from",
+    )
+    p.add_argument("--checkpoint-dir", default=None, help="write checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     p.add_argument(
         "--global-batch-size",
         type=int,
@@ -146,7 +158,13 @@ def _cfg_from_dict(d: dict[str, Any]) -> TrainConfig:
 
 
 def run_rank(
-    cfg_dict: dict[str, Any], summary_path: str | None, timeout: float, balance: Any = None
+    cfg_dict: dict[str, Any],
+    summary_path: str | None,
+    timeout: float,
+    balance: Any = None,
+    resume: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
 ) -> dict:
     """Entry point of one rank (module level so the launcher can pickle it).
     ``balance``: a picklable ``BalanceConfig`` (load balancing on) or None."""
@@ -163,8 +181,14 @@ def run_rank(
             from .balance.hook import BalanceHook
 
             hooks.append(BalanceHook(balance))
+        from .pipeline.checkpoint import CheckpointHook, load_checkpoint
+
+        if checkpoint_dir and checkpoint_every > 0:  # after the balancer (state order)
+            hooks.append(CheckpointHook(checkpoint_dir, checkpoint_every))
         trainer = Trainer(cfg, ctx=ctx, hooks=hooks)
-        summary = trainer.train()
+        if resume:
+            load_checkpoint(trainer, resume)
+        summary = trainer.train(max(cfg.steps - trainer.step, 0))
         trainer.close()
         if ctx.rank == 0:
             _print_summary(summary)
@@ -208,8 +232,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .balance.hook import balance_config_from_args
 
     balance = balance_config_from_args(args)
+    rank_args = (
+        cfg_dict,
+        args.summary,
+        args.timeout,
+        balance,
+        args.resume,
+        args.checkpoint_dir,
+        args.checkpoint_every,
+    )
     if in_torchrun or args.nproc == 1:
-        run_rank(cfg_dict, args.summary, args.timeout, balance)
+        run_rank(*rank_args)
         return 0
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -229,7 +262,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
         flush=True,
     )
-    elastic_launch(lc, entrypoint=run_rank)(cfg_dict, args.summary, args.timeout, balance)
+    elastic_launch(lc, entrypoint=run_rank)(*rank_args)
     return 0
 
 

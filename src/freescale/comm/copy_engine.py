@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done
-from freescale.comm.host_staged import HostStagedCommunicator, HostStagedConfig
+from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
 
 __all__ = [
     "CopyEngineConfig",
@@ -561,27 +561,6 @@ class _CudaCopier:
 
 
 # ================================================================== the worker
-class _Job:
-    def __init__(self, run: Callable[[], Any], describe: str) -> None:
-        self.run, self.describe = run, describe
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-        self.result: Any = None
-
-    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-
-_STOP = object()
 
 
 class _ReleaseToken:
