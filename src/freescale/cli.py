@@ -23,7 +23,7 @@ __all__ = ["main", "build_train_config", "run_rank"]
 
 # The embedded default of ``freescale train``: 2 CPU ranks (or one per GPU), synthetic
 # skewed UIH; about two minutes on a 2-core CPU.
-DEFAULT_STEPS = 100
+DEFAULT_STEPS = 400
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
