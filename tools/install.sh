@@ -18,6 +18,6 @@ if [[ "${1:-}" == "--dev" ]]; then
   # TorchRec itself without dependencies, then its real dependencies.
   $PIP install $quiet "fbgemm-gpu-cpu==1.8.0"
   $PIP install $quiet --no-deps "torchrec==1.8.0"
-  $PIP install $quiet tensordict torchmetrics pyre-extensions iopath \
+  $PIP install $quiet "tensordict==0.15.3" "torchmetrics==1.9.0" "pyre-extensions==0.0.32" "iopath==0.1.10" \
     "pytest>=8" "pytest-timeout>=2.3" "ruff==0.17.6" matplotlib
 fi
