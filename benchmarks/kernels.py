@@ -8,9 +8,11 @@ World size is swept 8..1024 for two workloads:
 - "per_rank": ONE rank's local batch (128 samples x 4 keys, skewed UIH lengths with mean
   2048, the 4 keys are parallel sequences of one length) dispatched to W owners;
 - "large": 2^26 ids (8192 samples x 4 keys, same length distribution).
-Ops: ranged_dispatch, ranged_combine (+ backward, D=128 bf16 rows), keyed_transpose of the
-dispatch output ([W][K][B] -> [K][W][B]) and indexed_permute (a sample shuffle; its cost
-does not depend on W, so it is timed once per workload).
+Ops: ranged_dispatch (Triton timed twice: "triton" is the sort-free kernel,
+"triton_v1" the first tile-sort kernel kept for comparison), ranged_combine (+ backward,
+D=128 bf16 rows), keyed_transpose of the dispatch output ([W][K][B] -> [K][W][B]) and
+indexed_permute (a sample shuffle; its cost does not depend on W, so it is timed once per
+workload).
 
 Correct first: before timing, every implementation's output is compared bitwise with the
 reference on the same input, and Triton is run twice and compared with itself; any
@@ -187,7 +189,7 @@ class Runner:
         out = {}
         for name, fn in impls.items():
             # Interpreted Triton on CPU is only checked for correctness: one timed rep.
-            interpreted = name == "triton" and self.device.type == "cpu"
+            interpreted = name.startswith("triton") and self.device.type == "cpu"
             reps = 1 if interpreted else self.args.cpu_reps
             out[f"{name}_ms"], _ = time_fast(fn, self.device, reps, warmup=not interpreted)
         if naive_fn is None:
@@ -218,6 +220,8 @@ class Runner:
                 row["speedup_vs_naive"] = row["naive_ms"] / t
             if row.get("vectorized_ms"):
                 row["speedup_vs_vectorized"] = row["vectorized_ms"] / t
+            if row.get("triton_v1_ms"):
+                row["speedup_vs_triton_v1"] = row["triton_v1_ms"] / t
             if self.bandwidth:
                 row["floor_ms"] = floor_bytes / self.bandwidth * 1e3
                 row["fraction_of_hbm_floor"] = row["floor_ms"] / t
@@ -235,8 +239,8 @@ class Runner:
     ):
         """Check every implementation against the reference, then time them.
 
-        `fns` maps "reference", "vectorized", "naive" and (if used) "triton" to
-        zero-argument calls on the same input. Returns the reference output.
+        `fns` maps "reference", "vectorized", "naive", (if used) "triton" and optionally
+        "triton_v1" to zero-argument calls on the same input. Returns the reference output.
         """
         where = f"{op} ({wl['name']}, W={world})"
         expect = fns["reference"]()
@@ -244,11 +248,13 @@ class Runner:
         if wl["n"] <= self.args.check_naive_max_ids:
             check_same(f"naive {where}", expect, fns["naive"]())
         impls = {"vectorized": fns["vectorized"]}
-        if self.use_triton:
-            got = fns["triton"]()
-            check_same(f"triton {where}", expect, got)
-            check_same(f"triton {where} run twice (determinism)", got, fns["triton"]())
-            impls["triton"] = fns["triton"]
+        for name in ("triton", "triton_v1"):
+            if not self.use_triton or name not in fns:
+                continue
+            got = fns[name]()
+            check_same(f"{name} {where}", expect, got)
+            check_same(f"{name} {where} run twice (determinism)", got, fns[name]())
+            impls[name] = fns[name]
             del got
         times = self.time_impls(impls, fns["naive"])
         self.record(wl, op, world, times, floor_bytes)
@@ -266,7 +272,8 @@ class Runner:
                 "naive": partial(naive.ranged_dispatch, *args),
             }
             if tri:
-                fns["triton"] = partial(tri.ranged_dispatch, *args, tile=self.tile)
+                fns["triton"] = partial(tri.ranged_dispatch, *args)
+                fns["triton_v1"] = partial(tri.ranged_dispatch_v1, *args, tile=self.tile)
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
 
@@ -315,24 +322,32 @@ class Runner:
         floor = 2 * (n * idx_bytes + lengths.numel() * len_bytes)
         self.bench_op(wl, "indexed_permute", None, fns, floor)
 
-    def tile_sweep(self, wl: dict, world: int, tiles: list[int]) -> None:
-        """Triton dispatch time per ids-per-tile setting (tuning data; checked first)."""
+    def tile_sweep(
+        self, wl: dict, world: int, chunks: list[int], blocks: list[int], v1_tiles: list[int]
+    ) -> None:
+        """Triton dispatch time per (chunk, block) of the sort-free kernel ("tile" = chunk)
+        and per tile of the v1 kernel (tuning data; every setting is checked first)."""
         args = (wl["values"], wl["lengths"], block_sizes_for(world, self.device), world)
         expect = reference.ranged_dispatch(*args)
-        for tile in tiles:
+        settings = [("triton", c, b) for c in chunks for b in blocks if b <= c]
+        settings += [("triton_v1", t, None) for t in v1_tiles]
+        for impl, tile, block in settings:
             if time.perf_counter() > self.deadline:
                 self.notes.append("time budget exhausted: tile sweep cut short")
                 return
-            row = {"workload": wl["name"], "op": "ranged_dispatch_tile_sweep",
-                   "world_size": world, "n_ids": wl["n"], "tile": tile}  # fmt: skip
+            row = {"workload": wl["name"], "op": "ranged_dispatch_tile_sweep", "impl": impl,
+                   "world_size": world, "n_ids": wl["n"], "tile": tile, "block": block}  # fmt: skip
+            if impl == "triton":
+                fn = partial(self.triton.ranged_dispatch, *args, chunk=tile, block=block)
+            else:
+                fn = partial(self.triton.ranged_dispatch_v1, *args, tile=tile)
             try:
-                got = self.triton.ranged_dispatch(*args, tile=tile)
+                got = fn()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is data
                 row["error"] = repr(exc)[:300]
             else:
-                check_same(f"triton dispatch tile={tile} W={world}", expect, got)
+                check_same(f"{impl} dispatch tile={tile} block={block} W={world}", expect, got)
                 del got
-                fn = partial(self.triton.ranged_dispatch, *args, tile=tile)
                 row["triton_ms"], _ = time_fast(fn, self.device, self.args.cpu_reps)
             self.rows.append(row)
             print(json.dumps(row), flush=True)
@@ -392,7 +407,12 @@ def _plot(rows: list[dict], path: Path) -> bool:
     for col, wl in enumerate(workloads):
         ax = axes[0][col]
         disp = [r for r in rows if r["workload"] == wl and r["op"] == "ranged_dispatch"]
-        for impl, style in (("triton", "o-"), ("vectorized", "s--"), ("naive", "^:")):
+        for impl, style in (
+            ("triton", "o-"),
+            ("triton_v1", "o--"),
+            ("vectorized", "s--"),
+            ("naive", "^:"),
+        ):
             pts = [(r["world_size"], r.get(f"{impl}_ms")) for r in disp if r.get(f"{impl}_ms")]
             if pts:
                 ax.plot(*zip(*pts), style, label=impl)
@@ -467,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             wl = make_workload(name, batch, total, device, args.seed + i, args.smoke)
             runner.run_workload(wl, worlds)
             if name == "large" and use_triton and not args.smoke and not args.no_sweep:
-                runner.tile_sweep(wl, worlds[-1], [512, 1024, 2048, 4096])
+                runner.tile_sweep(wl, worlds[-1], [1024, 2048, 4096, 8192], [32, 64, 128], [2048])
             del wl
     except Mismatch as exc:
         print(f"ABORT: {exc}", file=sys.stderr)

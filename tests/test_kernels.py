@@ -143,7 +143,7 @@ def test_dispatch_baselines_match_reference(gen, impl, mode):
 @needs_triton
 @pytest.mark.parametrize("world", [1, 3, 8, 1024])
 @pytest.mark.parametrize("mode", ["block", "modulo"])
-def test_dispatch_triton_matches_reference(gen, world, mode):
+def test_dispatch_triton_v1_matches_reference(gen, world, mode):
     triton_impl = _triton()
     for i, tile in enumerate((16, None, 64)):  # 16: segments span several tiles
         case = random_dispatch_case(
@@ -151,8 +151,74 @@ def test_dispatch_triton_matches_reference(gen, world, mode):
         )
         args = (case.values, case.lengths, case.block_sizes, world)
         expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
-        actual = triton_impl.ranged_dispatch(*args, mode=mode, weights=case.weights, tile=tile)
+        actual = triton_impl.ranged_dispatch_v1(*args, mode=mode, weights=case.weights, tile=tile)
         assert_dispatch_equal(expected, actual, f"tile={tile} {case.describe()}")
+
+
+# (chunk, block): None = the CPU default (32, 16); segments of up to 70 ids span several
+# chunks, chunks span several blocks, and block == chunk is covered too.
+CHUNK_BLOCKS = [(16, 16), (None, None), (64, 16), (32, 32)]
+
+
+@needs_triton
+@pytest.mark.parametrize("world", [1, 3, 8, 1024])
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_dispatch_triton_matches_reference(gen, world, mode):
+    triton_impl = _triton()
+    for i, (chunk, block) in enumerate(CHUNK_BLOCKS):
+        case = random_dispatch_case(
+            gen, world, max_batch=8, max_len=70, with_weights=i % 2 == 0, **_dtypes(world + i)
+        )
+        args = (case.values, case.lengths, case.block_sizes, world)
+        expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
+        actual = triton_impl.ranged_dispatch(
+            *args, mode=mode, weights=case.weights, chunk=chunk, block=block
+        )
+        assert_dispatch_equal(expected, actual, f"chunk={chunk}/{block} {case.describe()}")
+
+
+def _fixed_dispatch_case(lengths: list[int], ids: torch.Tensor, blocks: list[int], dtypes):
+    values_dtype, lengths_dtype = dtypes
+    return (
+        ids.to(values_dtype),
+        torch.tensor(lengths, dtype=lengths_dtype),
+        torch.tensor(blocks, dtype=values_dtype),
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("dtypes", [(torch.int32, torch.int64), (torch.int64, torch.int32)])
+def test_dispatch_triton_edge_cases(gen, dtypes):
+    """Long segments over many chunks, W=1024 with few ids, one dest, empty segments."""
+    triton_impl = _triton()
+    # K=2, B=3: a 150-id segment (> 4 chunks of 32, > 9 blocks of 16), empty segments.
+    lengths = [0, 150, 3, 0, 0, 41]
+    n = sum(lengths)
+    cases = [
+        (4, torch.randint(0, 40, (n,), generator=gen), [10, 10]),  # random dests
+        (4, torch.full((n,), 7), [3, 3]),  # every id to dest 2 (7 // 3)
+        (4, torch.arange(n) % 3, [1, 1]),  # dests 0..2 interleaved, W=4: dest 3 empty
+        (1024, torch.randint(0, 5000, (n,), generator=gen), [5, 5]),  # ids past blk*W too
+    ]
+    for world, ids, blocks in cases:
+        args = (*_fixed_dispatch_case(lengths, ids, blocks, dtypes), world)
+        weights = torch.rand(n, generator=gen)
+        for mode in ("block", "modulo"):
+            expected = reference.ranged_dispatch(*args, mode=mode, weights=weights)
+            for chunk, block in CHUNK_BLOCKS[:3]:
+                actual = triton_impl.ranged_dispatch(
+                    *args, mode=mode, weights=weights, chunk=chunk, block=block
+                )
+                assert_dispatch_equal(expected, actual, f"W={world} {mode} {chunk}/{block}")
+    # W=1024, a handful of ids, all but one segment empty.
+    args = (*_fixed_dispatch_case([0, 0, 5, 0], torch.tensor([0, 1023, 5, 1024, 99]), [1, 1],
+                                  dtypes), 1024)  # fmt: skip
+    expected = reference.ranged_dispatch(*args)
+    assert_dispatch_equal(expected, triton_impl.ranged_dispatch(*args), "W=1024 few ids")
+    with pytest.raises(ValueError):
+        triton_impl.ranged_dispatch(*args, chunk=16, block=32)
+    with pytest.raises(ValueError):
+        triton_impl.ranged_dispatch(*args, chunk=48)
 
 
 def test_dispatch_vectorized_large(gen):

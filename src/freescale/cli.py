@@ -185,10 +185,25 @@ def run_rank(
 
         if checkpoint_dir and checkpoint_every > 0:  # after the balancer (state order)
             hooks.append(CheckpointHook(checkpoint_dir, checkpoint_every))
+        from .pipeline import faults
+
+        injector = faults.FaultInjector.from_env()  # test-only, FREESCALE_FAULT_*
+        if injector is not None:
+            hooks.append(injector)
         trainer = Trainer(cfg, ctx=ctx, hooks=hooks)
-        if resume:
-            load_checkpoint(trainer, resume)
-        summary = trainer.train(max(cfg.steps - trainer.step, 0))
+        monitor = faults.install(trainer, timeout)  # collective timeouts, lost ranks
+        try:
+            resume = faults.resume_point(resume, checkpoint_dir)
+            if resume:
+                load_checkpoint(trainer, resume)
+            summary = trainer.train(max(cfg.steps - trainer.step, 0))
+        except Exception as e:
+            clear = monitor.explain(e)
+            if clear is not None:
+                raise clear from e
+            raise
+        finally:
+            monitor.close()
         trainer.close()
         if ctx.rank == 0:
             _print_summary(summary)
@@ -267,23 +282,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "simulate":  # the simulator parses its own flags
+        from .balance.simulator import simulate_main
+
+        return simulate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="freescale", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_train = sub.add_parser("train", help="train the reference model (default: synthetic)")
     _add_train_flags(p_train)
-    p_sim = sub.add_parser(
-        "simulate", help="straggler simulator (see balance/README.md)", add_help=False
-    )
-    p_sim.add_argument("rest", nargs=argparse.REMAINDER)
-    args, rest = parser.parse_known_args(argv)
+    sub.add_parser("simulate", help="straggler simulator (see balance/README.md)")
+    args = parser.parse_args(argv)
     if args.cmd == "train":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return cmd_train(args)
-    if args.cmd == "simulate":
-        from .balance.simulator import simulate_main
-
-        return simulate_main(list(args.rest) + rest)
     return 2
 
 

@@ -31,6 +31,12 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and the ranks."""
 
 
+#: Optional observers, set by freescale.pipeline.faults (None: no cost). ``on_issue(aw)``
+#: sees every issued collective's handle; ``on_error(aw, exc)`` builds the error raised.
+on_issue: Callable[[Awaitable], None] | None = None
+on_error: Callable[[Awaitable, BaseException], CollectiveError] | None = None
+
+
 class Awaitable(Generic[T]):
     """Result of an asynchronous collective. ``wait()`` blocks (or, on CUDA, makes the
     current stream wait) and returns the result; calling it twice is fine."""
@@ -48,6 +54,8 @@ class Awaitable(Generic[T]):
         self._describe = describe
         self._done = False
         self._result: T | None = None
+        if on_issue is not None and self._works:
+            on_issue(self)
 
     def wait(self) -> T:
         if not self._done:
@@ -55,6 +63,8 @@ class Awaitable(Generic[T]):
                 for w in self._works:
                     w.wait()  # type: ignore[attr-defined]
             except Exception as e:  # gloo/NCCL errors: add what and who
+                if on_error is not None:
+                    raise on_error(self, e) from e
                 raise CollectiveError(f"{self._describe} failed: {e}") from e
             self._result = self._finish()
             self._done = True

@@ -210,7 +210,7 @@ def default_tile(world_size: int, device: torch.device) -> int:
     return 1024 if world_size <= 64 else 2048
 
 
-def ranged_dispatch(
+def ranged_dispatch_v1(
     values: torch.Tensor,
     lengths: torch.Tensor,
     block_sizes: torch.Tensor,
@@ -220,10 +220,10 @@ def ranged_dispatch(
     weights: Optional[torch.Tensor] = None,
     tile: Optional[int] = None,
 ) -> DispatchResult:
-    """Triton `ranged_dispatch` (same semantics as `reference.ranged_dispatch`).
+    """First Triton dispatch (tile sort + scan), kept for comparison with `ranged_dispatch`.
 
-    `tile` (a power of two) overrides the ids per tile; tests use small tiles to cover
-    segments spanning several tiles at small sizes.
+    Same semantics as `reference.ranged_dispatch`. `tile` (a power of two) overrides the
+    ids per tile; tests use small tiles to cover segments spanning several tiles.
     """
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     n, nseg, dev = values.numel(), num_keys * batch, values.device
@@ -287,6 +287,303 @@ def ranged_dispatch(
         lengths=new_lengths,
         splits=totals.to(torch.int64),
         key_counts=new_lengths.view(world_size, num_keys, batch).sum(2, dtype=torch.int64),
+        unbucketize_permute=perm,
+        weights=out_weights,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# ranged dispatch v2: sort-free counting by (dest, chunk) offsets and in-block ranks
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_segments"])
+def _segment_scan_kernel(
+    lengths_ptr,
+    seg_offsets_ptr,
+    chunk_first_ptr,
+    num_segments,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: seg_offsets = [0, cumsum(lengths)], chunk_first = [0, cumsum(ceil(l/C))]."""
+    lane = tl.arange(0, BLOCK)
+    carry_ids = tl.full([], 0, tl.int64)
+    carry_chunks = tl.full([], 0, tl.int64)
+    tl.store(seg_offsets_ptr, carry_ids)
+    tl.store(chunk_first_ptr, carry_chunks)
+    first = 0
+    while first < num_segments:  # `while`: the interpreter cannot range() over arguments
+        offs = first + lane
+        mask = offs < num_segments
+        ids = tl.load(lengths_ptr + offs, mask=mask, other=0).to(tl.int64)
+        chunks = (ids + (CHUNK - 1)) // CHUNK
+        tl.store(seg_offsets_ptr + 1 + offs, tl.cumsum(ids, 0) + carry_ids, mask=mask)
+        tl.store(chunk_first_ptr + 1 + offs, tl.cumsum(chunks, 0) + carry_chunks, mask=mask)
+        carry_ids += tl.sum(ids, 0)
+        carry_chunks += tl.sum(chunks, 0)
+        first += BLOCK
+
+
+@triton.jit(do_not_specialize=["batch", "world_size", "num_chunks"])
+def _chunk_count_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    chunk_seg_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    offsets_ptr,
+    batch,
+    world_size,
+    num_chunks,
+    MODULO: tl.constexpr,
+    HBLOCK: tl.constexpr,
+    WP: tl.constexpr,
+):
+    """counts of chunk c for dest d -> offsets[1 + d * num_chunks + c]; offsets[0] = 0."""
+    pid = tl.program_id(0)
+    seg = tl.load(chunk_seg_ptr + pid)
+    start = tl.load(chunk_start_ptr + pid)
+    end = tl.load(chunk_end_ptr + pid)
+    blk = tl.load(block_sizes_ptr + seg // batch).to(tl.int64)
+    lane = tl.arange(0, HBLOCK)
+    hist = tl.zeros([WP], dtype=tl.int32)
+    block_start = start
+    while block_start < end:
+        offs = block_start + lane
+        mask = offs < end
+        ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
+        dest = _owner(ids, blk, world_size, MODULO).to(tl.int32)
+        hist += tl.histogram(dest, WP, mask=mask)
+        block_start += HBLOCK
+    bins = tl.arange(0, WP)
+    out = offsets_ptr + 1 + bins.to(tl.int64) * num_chunks + pid
+    tl.store(out, hist.to(offsets_ptr.dtype.element_ty), mask=bins < world_size)
+    tl.store(offsets_ptr + bins, tl.zeros([WP], dtype=offsets_ptr.dtype.element_ty),
+             mask=(bins == 0) & (pid == 0))  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_segments", "world_size", "num_chunks"])
+def _chunk_lengths_kernel(
+    offsets_ptr,
+    chunk_first_ptr,
+    out_ptr,
+    num_segments,
+    world_size,
+    num_chunks,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[d*S + s] = offsets[d*C + chunk_first[s+1]] - offsets[d*C + chunk_first[s]]."""
+    seg = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dest = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    seg_mask = seg < num_segments
+    mask = seg_mask[:, None] & (dest < world_size)[None, :]
+    row = dest[None, :].to(tl.int64) * num_chunks
+    first = tl.load(chunk_first_ptr + seg, mask=seg_mask, other=0)
+    after = tl.load(chunk_first_ptr + seg + 1, mask=seg_mask, other=0)
+    lo = tl.load(offsets_ptr + row + first[:, None], mask=mask, other=0)
+    hi = tl.load(offsets_ptr + row + after[:, None], mask=mask, other=0)
+    out_offs = dest[None, :].to(tl.int64) * num_segments + seg[:, None]
+    tl.store(out_ptr + out_offs, (hi - lo).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["world_size", "num_chunks", "num_keys", "batch"])
+def _dispatch_totals_kernel(
+    offsets_ptr,
+    chunk_first_ptr,
+    splits_ptr,
+    key_counts_ptr,
+    world_size,
+    num_chunks,
+    num_keys,
+    batch,
+    BLOCK_D: tl.constexpr,
+):
+    """splits[d] and key_counts[d, k] as differences of offsets at key boundaries."""
+    dest = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = dest < world_size
+    row = offsets_ptr + dest.to(tl.int64) * num_chunks
+    first = tl.load(row, mask=mask, other=0).to(tl.int64)  # chunk_first[0] == 0
+    prev = first
+    k = 0
+    while k < num_keys:
+        f = tl.load(chunk_first_ptr + (k + 1) * batch)
+        cur = tl.load(row + f, mask=mask, other=0).to(tl.int64)
+        tl.store(key_counts_ptr + dest.to(tl.int64) * num_keys + k, cur - prev, mask=mask)
+        prev = cur
+        k += 1
+    tl.store(splits_ptr + dest, prev - first, mask=mask)
+
+
+@triton.jit(do_not_specialize=["batch", "world_size", "num_chunks"])
+def _chunk_scatter_kernel(
+    values_ptr,
+    weights_ptr,
+    block_sizes_ptr,
+    chunk_seg_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    cursor_ptr,
+    out_values_ptr,
+    out_weights_ptr,
+    perm_ptr,
+    batch,
+    world_size,
+    num_chunks,
+    MODULO: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Walk this chunk in blocks of BLOCK ids, in order; no sort.
+
+    An id's output position is cursor[dest, chunk] (ids of its dest in earlier chunks, all
+    dests before, and earlier blocks of this chunk) + the number of earlier ids of the same
+    dest in its block (a BLOCK x BLOCK comparison). After each block the last id of each
+    dest advances that dest's cursor. Only this program touches column `chunk` of the
+    cursors, and barriers order a block's cursor reads, its update, and the next block's
+    reads, so the result does not depend on scheduling.
+    """
+    pid = tl.program_id(0)
+    seg = tl.load(chunk_seg_ptr + pid)
+    start = tl.load(chunk_start_ptr + pid)
+    end = tl.load(chunk_end_ptr + pid)
+    blk = tl.load(block_sizes_ptr + seg // batch).to(tl.int64)
+    lane = tl.arange(0, BLOCK)
+    earlier = lane[None, :] < lane[:, None]  # [i, j]: lane j comes before lane i
+    block_start = start
+    while block_start < end:
+        offs = block_start + lane
+        mask = offs < end
+        ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
+        dest = _owner(ids, blk, world_size, MODULO).to(tl.int32)
+        dest = tl.where(mask, dest, world_size)  # padding lanes match no real dest
+        same = dest[:, None] == dest[None, :]
+        rank = tl.sum((same & earlier).to(tl.int32), axis=1)
+        count = tl.sum(same.to(tl.int32), axis=1)
+        cursor = cursor_ptr + dest.to(tl.int64) * num_chunks + pid
+        base = tl.load(cursor, mask=mask, other=0, volatile=True)
+        pos = base.to(tl.int64) + rank
+        if MODULO:
+            local = ids // world_size
+        else:
+            in_range = ids < blk * world_size
+            local = tl.where(in_range, ids - dest.to(tl.int64) * blk, ids // world_size)
+        tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
+        tl.store(perm_ptr + offs, pos, mask=mask)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + offs, mask=mask)
+            tl.store(out_weights_ptr + pos, w, mask=mask)
+        tl.debug_barrier()  # every lane has read its cursor before any is advanced
+        tl.store(cursor, base + count, mask=mask & (rank == count - 1))
+        tl.debug_barrier()  # advanced cursors are visible to the next block's reads
+        block_start += BLOCK
+
+
+def default_chunk(world_size: int, device: torch.device) -> tuple[int, int]:
+    """(ids per chunk, ids per in-chunk block) for `ranged_dispatch`.
+
+    The (dest, chunk) offset matrix has W * (N / chunk + segments) entries: small W affords
+    short chunks (more programs, shorter serial block loops); large W wants long ones. On
+    CPU (interpreter) both are tiny so that tests cover chunks and blocks cheaply.
+    """
+    if device.type == "cpu":
+        return 32, 16
+    return (1024 if world_size <= 64 else 4096), 64
+
+
+def ranged_dispatch(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    block_sizes: torch.Tensor,
+    world_size: int,
+    *,
+    mode: str = "block",
+    weights: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+    block: Optional[int] = None,
+) -> DispatchResult:
+    """Triton `ranged_dispatch` (same semantics as `reference.ranged_dispatch`), sort-free.
+
+    `chunk` (ids per program, a power of two, never crossing a segment) and `block` (ids
+    ranked together inside a chunk, a power of two dividing `chunk`) override the defaults
+    of `default_chunk`.
+    """
+    num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
+    n, nseg, dev = values.numel(), num_keys * batch, values.device
+    if n == 0:
+        return reference.ranged_dispatch(
+            values, lengths, block_sizes, world_size, mode=mode, weights=weights
+        )
+    dchunk, dblock = default_chunk(world_size, dev)
+    chunk, block = chunk or dchunk, block or min(dblock, chunk or dchunk)
+    for name, x in (("chunk", chunk), ("block", block)):
+        if x & (x - 1) or x < 16:
+            raise ValueError(f"{name} must be a power of two >= 16, got {x}")
+    if block > chunk:
+        raise ValueError(f"block {block} must not exceed chunk {chunk}")
+    values, block_sizes = values.contiguous(), block_sizes.contiguous()
+    lengths = lengths.contiguous()
+    weights = None if weights is None else weights.contiguous()
+
+    # Segment scan and chunk table: segment s owns chunks [chunk_first[s], chunk_first[s+1]).
+    # num_chunks bounds the chunks used (no device sync); spare ones are empty.
+    num_chunks = max(1, min((n + nseg * (chunk - 1)) // chunk, n))
+    seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
+    chunk_first = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
+    scan_block = min(4096, max(128, triton.next_power_of_2(nseg)))
+    _segment_scan_kernel[(1,)](
+        lengths, seg_offsets, chunk_first, nseg, CHUNK=chunk, BLOCK=scan_block,
+        num_warps=8 if scan_block >= 2048 else 4,
+    )  # fmt: skip
+    chunk_seg = torch.empty(num_chunks, dtype=torch.int32, device=dev)
+    chunk_start = torch.empty(num_chunks, dtype=torch.int64, device=dev)
+    chunk_end = torch.empty(num_chunks, dtype=torch.int64, device=dev)
+    _tile_table_kernel[(triton.cdiv(num_chunks, 1024),)](
+        seg_offsets, chunk_first, chunk_seg, chunk_start, chunk_end, nseg, num_chunks,
+        TILE=chunk, SEARCH_ITERS=(nseg + 1).bit_length() + 1, BLOCK=1024, num_warps=4,
+    )  # fmt: skip
+    chunks = (chunk_seg, chunk_start, chunk_end)
+    modulo = mode == "modulo"
+
+    # offsets[d * C + c] = output position of the first id of dest d in chunk c: an
+    # exclusive scan, in [dest][chunk] order, of the per-(dest, chunk) counts.
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    offsets = torch.empty(world_size * num_chunks + 1, dtype=index_dtype, device=dev)
+    hblock = min(chunk, 2048)
+    _chunk_count_kernel[(num_chunks,)](
+        values, block_sizes, *chunks, offsets, batch, world_size, num_chunks,
+        MODULO=modulo, HBLOCK=hblock, WP=max(32, triton.next_power_of_2(world_size)),
+        num_warps=8 if hblock >= 2048 else 4,
+    )  # fmt: skip
+    offsets.cumsum_(0)
+
+    new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
+    _chunk_lengths_kernel[(triton.cdiv(nseg, 64), triton.cdiv(world_size, 32))](
+        offsets, chunk_first, new_lengths, nseg, world_size, num_chunks, BLOCK_S=64, BLOCK_D=32,
+    )  # fmt: skip
+    splits = torch.empty(world_size, dtype=torch.int64, device=dev)
+    key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
+    _dispatch_totals_kernel[(triton.cdiv(world_size, 256),)](
+        offsets, chunk_first, splits, key_counts, world_size, num_chunks, num_keys, batch,
+        BLOCK_D=256,
+    )  # fmt: skip
+
+    # The scatter advances `offsets` in place as per-(dest, chunk) cursors (last use).
+    out_values = torch.empty_like(values)
+    out_weights = None if weights is None else torch.empty_like(weights)
+    perm = torch.empty(n, dtype=torch.int64, device=dev)
+    _chunk_scatter_kernel[(num_chunks,)](
+        values, values if weights is None else weights, block_sizes, *chunks, offsets,
+        out_values, out_values if out_weights is None else out_weights, perm,
+        batch, world_size, num_chunks, MODULO=modulo, HAS_WEIGHTS=weights is not None,
+        BLOCK=block, num_warps=4 if block >= 64 else 2,
+    )  # fmt: skip
+    return DispatchResult(
+        values=out_values,
+        lengths=new_lengths,
+        splits=splits,
+        key_counts=key_counts,
         unbucketize_permute=perm,
         weights=out_weights,
     )
