@@ -1,0 +1,76 @@
+"""The ``freescale`` command line: simulate passes its flags through, train runs a
+single-process job end to end and writes its summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freescale.cli import main
+
+
+def test_simulate_flags_reach_the_simulator(tmp_path):
+    out = tmp_path / "sim.json"
+    rc = main(
+        [
+            "simulate",
+            "--ranks",
+            "2,8",
+            "--steps",
+            "2",
+            "--max-uih",
+            "256",
+            "--median",
+            "32",
+            "--quiet",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert {r["ranks"] for r in rows} == {2, 8}
+
+
+def test_train_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    assert "--balance" in capsys.readouterr().out
+
+
+def test_single_process_train_writes_summary(tmp_path):
+    summary = tmp_path / "s.json"
+    log = tmp_path / "log.jsonl"
+    rc = main(
+        [
+            "train",
+            "--nproc",
+            "1",
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--max-uih",
+            "32",
+            "--median-uih",
+            "8",
+            "--global-batch-size",
+            "8",
+            "--eval-samples",
+            "8",
+            "--no-progress",
+            "--summary",
+            str(summary),
+            "--log",
+            str(log),
+        ]
+    )
+    assert rc == 0
+    s = json.loads(summary.read_text())["summary"]
+    assert s["steps"] == 3 and s["world_size"] == 1
+    assert 0 < s["oracle_ne"] < 1 and s["eval_ne"] > 0
+    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
+    assert "train" in kinds and "eval" in kinds and kinds[-1] == "summary"
