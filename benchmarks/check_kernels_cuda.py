@@ -1,5 +1,6 @@
 """On a GPU: every Triton jagged index kernel against its PyTorch reference on fresh
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
+Dispatch is checked for the sort-free kernel (default and small chunks) and for v1.
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py
 """
@@ -17,6 +18,7 @@ from freescale.kernels import (
     ranged_combine,
     ranged_combine_backward,
     ranged_dispatch,
+    triton_impl,
 )
 
 
@@ -39,10 +41,19 @@ def main() -> int:
             for mode in ("block", "modulo"):
                 r = ranged_dispatch(vals, lengths, blocks.to(dt), w, mode=mode, backend="reference")
                 t = ranged_dispatch(vals, lengths, blocks.to(dt), w, mode=mode, backend="triton")
-                for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
-                    if not torch.equal(getattr(r, f), getattr(t, f)):
-                        print(f"MISMATCH ranged_dispatch w={w} {dt} {mode} {f}")
-                        bad += 1
+                args = (vals, lengths, blocks.to(dt), w)
+                variants = {
+                    "triton": t,
+                    "triton_v1": triton_impl.ranged_dispatch_v1(*args, mode=mode),
+                    # long segments over many chunks and blocks (segments reach 39 ids)
+                    "triton_c16": triton_impl.ranged_dispatch(*args, mode=mode, chunk=16, block=16),
+                    "triton_c32": triton_impl.ranged_dispatch(*args, mode=mode, chunk=32, block=16),
+                }
+                for name, got in variants.items():
+                    for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
+                        if not torch.equal(getattr(r, f), getattr(got, f)):
+                            print(f"MISMATCH ranged_dispatch[{name}] w={w} {dt} {mode} {f}")
+                            bad += 1
             emb = torch.randn(n, 64, device="cuda", generator=g)
             perm = r.unbucketize_permute
             for fn in (ranged_combine, ranged_combine_backward):

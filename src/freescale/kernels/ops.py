@@ -9,6 +9,7 @@ triton is imported lazily, only when the Triton backend is chosen.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Optional
 
@@ -16,6 +17,8 @@ import torch
 
 from freescale.kernels import reference, vectorized
 from freescale.kernels.common import Backend, DispatchMode, DispatchResult, resolve_backend
+
+DISPATCH_ENV_VAR = "FREESCALE_TRITON_DISPATCH"
 
 
 def _backend_module(backend: Backend, device: torch.device) -> ModuleType:
@@ -48,6 +51,13 @@ def ranged_dispatch(
     Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
     """
     impl = _backend_module(backend, values.device)
+    if impl.__name__.endswith("triton_impl") and os.environ.get(DISPATCH_ENV_VAR, "v1") == "v1":
+        # the sort-free v2 kernel is checked in interpreter mode only; until it has been
+        # checked and timed on a GPU (benchmarks/check_kernels_cuda.py, kernels.py),
+        # training uses v1 (checked on H200). FREESCALE_TRITON_DISPATCH=v2 selects v2.
+        return impl.ranged_dispatch_v1(
+            values, lengths, block_sizes, world_size, mode=mode, weights=weights
+        )
     return impl.ranged_dispatch(
         values, lengths, block_sizes, world_size, mode=mode, weights=weights
     )

@@ -6,15 +6,12 @@ run: no float atomics, no atomics at all, every output element is written by exa
 program. Offsets into id / row arrays are int64. On CPU tensors this module needs
 ``TRITON_INTERPRET=1`` set before triton is first imported.
 
-Ranged dispatch is a stable counting sort by owner, in two passes over "tiles" (chunks
-of at most TILE ids that never cross a segment boundary):
-1. count: per tile, a histogram of owners -> counts[tile, W];
-2. scan (torch): cumsum over tiles -> ids of each owner in earlier tiles; owner starts;
-3. scatter: per tile, sort (owner, lane) pairs (stable by construction), rank each id
-   within its owner's run, write it at owner start + earlier tiles + rank.
-Because tiles never cross segments, the per-(owner, segment) output lengths are
-differences of the scanned counts at each segment's first tile. Work per id is
-O(log^2 TILE) (bitonic sort) and O(W) per tile, never O(W) per id.
+Ranged dispatch (`ranged_dispatch`) is sort-free: the output is the input stably sorted by
+dest, so an id's position is the start of its (dest, chunk) block (an exclusive scan of
+per-(dest, chunk) counts laid out [dest][chunk]) plus its rank among same-dest ids of its
+chunk, found block by block with a BLOCK x BLOCK comparison and a per-(dest, chunk)
+cursor. Chunks never cross segments, so output lengths are differences of that scan.
+`ranged_dispatch_v1` (per-tile `tl.sort`) is kept for benchmark comparison. See README.md.
 """
 
 from __future__ import annotations
