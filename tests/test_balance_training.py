@@ -114,8 +114,8 @@ class WrongBalancer(BalanceHook):
         super().__init__(config)
         self.mode = mode
 
-    def on_batch(self, trainer, step, batch):
-        out = super().on_batch(trainer, step, batch)
+    def end_batch(self, trainer, step, handle):  # stage III: where samples move
+        out = super().end_batch(trainer, step, handle)
         if step == 2 and trainer.rank == trainer.world_size - 1 and out.batch_size > 1:
             n = out.batch_size
             idx = list(range(n - 1)) if self.mode == "drop" else [0, *range(n)]

@@ -153,13 +153,25 @@ class BalanceHook(TrainerHook):
 
     # -------------------------------------------------------------------- step
     def on_batch(self, trainer: Trainer, step: int, batch: JaggedBatch) -> JaggedBatch:
+        """Synchronous balancing (all three stages now)."""
+        return self.end_batch(trainer, step, self.begin_batch(trainer, step, batch))
+
+    def begin_batch(self, trainer: Trainer, step: int, batch: JaggedBatch) -> Any:
+        """Stages I and II: issue the metadata all-gathers and return at once; the
+        trainer calls this two steps ahead, so they run while the current step computes."""
         if self.coordinator is None:
-            raise RuntimeError("BalanceHook.on_batch before on_train_start")
+            raise RuntimeError("BalanceHook.begin_batch before on_train_start")
         t0 = time.perf_counter()
         if batch.step != step:  # the plan log and replay are keyed by the batch's step
             batch = replace(batch, step=step)
-        out, plan = self.coordinator.start(batch).finish()
-        ms = (time.perf_counter() - t0) * 1e3
+        return batch, self.coordinator.start(batch), time.perf_counter() - t0
+
+    def end_batch(self, trainer: Trainer, step: int, handle: Any) -> JaggedBatch:
+        """Stage III: wait for the metadata, plan, move the samples."""
+        batch, pending, begin_s = handle
+        t0 = time.perf_counter()
+        out, plan = pending.finish()
+        ms = (time.perf_counter() - t0 + begin_s) * 1e3
         # same samples, same global candidate count: keep the trainer's extras
         if out is not batch:
             out.extras = dict(batch.extras)

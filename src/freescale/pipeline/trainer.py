@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,10 +273,28 @@ class Trainer:
         return self.cfg.sparse_optim.lr
 
     # --------------------------------------------------------------- step
-    def _fetch(self, loader: PrefetchingLoader, step: int) -> JaggedBatch:
+    def _begin(self, loader: PrefetchingLoader, step: int) -> tuple[int, JaggedBatch, Any]:
+        """Data stage, first half (two steps ahead): load, agree, and let the first hook
+        that supports it start asynchronous work on the batch (the balancer's stages
+        I and II: metadata all-gathers in flight while the current step computes)."""
         batch = self.next_batch(loader, step)
         for h in self.hooks:
-            batch = h.on_batch(self, step, batch)
+            begin = getattr(h, "begin_batch", None)
+            if begin is not None:
+                return step, batch, (h, begin(self, step, batch))
+        return step, batch, None
+
+    def _end(self, begun: tuple[int, JaggedBatch, Any]) -> JaggedBatch:
+        """Data stage, second half (one step ahead): finish the asynchronous hook, then
+        the remaining hooks' ``on_batch``."""
+        step, batch, pending = begun
+        owner = None
+        if pending is not None:
+            owner, handle = pending
+            batch = owner.end_batch(self, step, handle)
+        for h in self.hooks:
+            if h is not owner:
+                batch = h.on_batch(self, step, batch)
         return batch
 
     def flush(self) -> None:
@@ -419,18 +437,25 @@ class Trainer:
         loss_acc, cand_acc = 0.0, 0.0
         loader = self._loader(first, steps)
         ahead: JaggedBatch | None = None
+        begun: deque[tuple[int, JaggedBatch, Any]] = deque()
         try:
             for t in range(first, last + 1):
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
                 t0 = self._now()
+                # lookahead: batch t+1 is loaded, agreed on and balanced before step t
+                # trains (prioritized updates read its ids during step t); batch t+2 is
+                # loaded and its balancing metadata is in flight while step t computes
                 if ahead is None:  # first step of this call
-                    ahead = self._fetch(loader, t)
+                    begun.append(self._begin(loader, t))
+                    if t < last:
+                        begun.append(self._begin(loader, t + 1))
+                    ahead = self._end(begun.popleft())
                 batch = ahead
-                # one step of lookahead: batch t+1 is loaded, agreed on and balanced
-                # before step t trains (prioritized updates read its ids during step t)
-                ahead = self._fetch(loader, t + 1) if t < last else None
+                ahead = self._end(begun.popleft()) if t < last else None
+                if t + 2 <= last:
+                    begun.append(self._begin(loader, t + 2))
                 t_data = self._now() - t0
                 rec = self.train_step(batch, ahead)
                 rec["times"]["data"] = t_data
