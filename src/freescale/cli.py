@@ -170,10 +170,12 @@ def run_rank(
     ``balance``: a picklable ``BalanceConfig`` (load balancing on) or None."""
     import torch.distributed as dist
 
+    from .pipeline import faults
     from .pipeline.distributed import init_distributed
     from .pipeline.trainer import Trainer
 
     cfg = _cfg_from_dict(cfg_dict)
+    restarted = faults.init_after_elastic_restart(cfg.device, timeout)  # torchrun restarts
     ctx = init_distributed(cfg.device, timeout_s=timeout)
     try:
         hooks = []
@@ -185,8 +187,6 @@ def run_rank(
 
         if checkpoint_dir and checkpoint_every > 0:  # after the balancer (state order)
             hooks.append(CheckpointHook(checkpoint_dir, checkpoint_every))
-        from .pipeline import faults
-
         injector = faults.FaultInjector.from_env()  # test-only, FREESCALE_FAULT_*
         if injector is not None:
             hooks.append(injector)
@@ -212,7 +212,7 @@ def run_rank(
                     json.dump({"summary": summary, "config": cfg_dict}, f, indent=2, default=float)
         return summary
     finally:
-        if ctx.owns_group and dist.is_initialized():
+        if (ctx.owns_group or restarted) and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ carries a name, used in errors ("all_to_all 'ids' on rank 1 of 2 failed: ...").
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -35,6 +36,9 @@ class CollectiveError(RuntimeError):
 #: sees every issued collective's handle; ``on_error(aw, exc)`` builds the error raised.
 on_issue: Callable[[Awaitable], None] | None = None
 on_error: Callable[[Awaitable, BaseException], CollectiveError] | None = None
+#: Optional deadline of ``Awaitable.wait`` on ``torch.distributed`` works (gloo: a
+#: group's own timeout does not bound every wait); set by faults.py on CPU only.
+wait_timeout: datetime.timedelta | None = None
 
 
 class Awaitable(Generic[T]):
@@ -61,7 +65,10 @@ class Awaitable(Generic[T]):
         if not self._done:
             try:
                 for w in self._works:
-                    w.wait()  # type: ignore[attr-defined]
+                    if wait_timeout is not None and isinstance(w, dist.Work):
+                        w.wait(wait_timeout)
+                    else:
+                        w.wait()  # type: ignore[attr-defined]
             except Exception as e:  # gloo/NCCL errors: add what and who
                 if on_error is not None:
                     raise on_error(self, e) from e

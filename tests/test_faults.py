@@ -1,0 +1,212 @@
+"""Faults (CPU, gloo, real processes): a collective that times out names itself and the
+rank that did not arrive; a rank killed mid-step ends the job within the timeout with a
+clear message; torchrun's elastic restart plus ``--resume`` recovers to the parameters
+of an uninterrupted run. Plus fast in-process checks of the monitor's diagnosis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from freescale.comm.base import Awaitable, CollectiveError
+from freescale.pipeline import faults
+from freescale.pipeline.faults import CollectiveTimeout, FaultInjector, FaultMonitor, RankLost
+
+TINY = (
+    "--device cpu --steps 6 --num-items 300 --max-uih 24 --median-uih 6 --num-candidates 3 "
+    "--embedding-dim 8 --num-layers 1 --num-heads 2 --global-batch-size 8 --eval-samples 8 "
+    "--no-progress"
+).split()
+SLACK_S = 10.0  # process teardown and the launcher's monitor interval, on 2 loaded cores
+
+
+# ------------------------------------------------------------ in-process
+class _StuckWork:
+    """A work that never completes until released; then fails like gloo."""
+
+    def __init__(self, error: str) -> None:
+        self.release = threading.Event()
+        self.error = error
+
+    def wait(self, *args: object) -> None:
+        self.release.wait()
+        raise RuntimeError(self.error)
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def _heartbeat(store: dist.Store, rank: int, **rec: object) -> None:
+    base = {"seq": 1, "step": 3, "stage": "data+forward", "what": "all_to_all 'ids'"}
+    base.update({"t": time.time(), "pid": os.getpid(), "host": "elsewhere"}, **rec)
+    store.set(f"hb/{rank}", json.dumps(base))
+
+
+def test_timeout_names_collective_step_and_missing_rank(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    _heartbeat(store, 1)  # rank 1: last seen at collective 1 of step 3, heartbeat alive
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            _heartbeat(store, 1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    mon = FaultMonitor(1.0, 0, 2, "gloo", store=store, hard_exit=False, grace=0.5).start()
+    try:
+        mon.progress.seq, mon.progress.step, mon.progress.stage = 1, 3, "backward"
+        work = _StuckWork("Timed out waiting 1000ms for recv operation to complete")
+        aw = Awaitable([work], lambda: None, "grads", "all_to_all 'grads' on rank 0 of 2 (gloo)")
+        threading.Timer(2.0, work.release.set).start()
+        with pytest.raises(CollectiveTimeout) as ei:
+            aw.wait()
+    finally:
+        stop.set()
+        mon.close()
+    msg = str(ei.value)
+    assert isinstance(ei.value, CollectiveError)
+    assert "all_to_all 'grads' on rank 0 of 2 (gloo) timed out" in msg
+    assert "at step 3 (backward)" in msg
+    assert "rank 1 did not arrive (last seen: all_to_all 'ids' of step 3" in msg
+    assert "alive" in msg
+    # the watchdog reached the same verdict on its own thread before gloo gave up
+    assert mon.diagnosis is not None and "rank 1 did not arrive" in mon.diagnosis
+
+
+def test_lost_connection_names_dead_rank(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _heartbeat(store, 1, seq=2, host=faults._HOST, pid=dead.pid)  # arrived, then died
+    _heartbeat(store, 2, seq=2, host=faults._HOST)  # alive (this process), arrived
+    mon = FaultMonitor(30.0, 0, 3, "gloo", store=store, hard_exit=False).start()
+    try:
+        mon.progress.seq = 1
+        work = _StuckWork("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+        work.release.set()
+        aw = Awaitable([work], lambda: None, "grads", "all_to_all 'grads' on rank 0 of 3 (gloo)")
+        t0 = time.monotonic()
+        with pytest.raises(RankLost) as ei:
+            aw.wait()
+        assert time.monotonic() - t0 < 0.5  # found by pid, no heartbeat probing
+        # a backend error outside Communicator (DDP's all-reduce) gets the same treatment
+        ddp = mon.explain(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+        assert isinstance(ddp, RankLost) and "collective during step" in str(ddp)
+        assert "rank 1 was lost" in str(ddp) and "rank 2" not in str(ddp)
+        assert mon.explain(ValueError("bad input")) is None
+    finally:
+        mon.close()
+    msg = str(ei.value)
+    assert "all_to_all 'grads' on rank 0 of 3 (gloo) failed" in msg
+    assert "rank 1 was lost" in msg and f"process {dead.pid} has exited" in msg
+    assert "rank 2" not in msg
+
+
+def test_injector_and_resume_rules(tmp_path):
+    env = {"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1:3"}
+    inj = FaultInjector.from_env(env)
+    assert inj is not None and (inj.action, inj.rank, inj.step) == ("kill", 1, 3)
+    assert FaultInjector.from_env({**env, "TORCHELASTIC_RESTART_COUNT": "1"}) is None
+    hang = FaultInjector.from_env({"FREESCALE_FAULT_HANG_RANK_AT_STEP": "0:2:5"})
+    assert hang is not None and hang.seconds == 5.0
+    assert FaultInjector.from_env({}) is None
+    with pytest.raises(ValueError, match="RANK:STEP"):
+        FaultInjector.from_env({"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1"})
+    d = str(tmp_path / "ck")
+    assert faults.resume_point(d, d) is None  # first attempt: nothing saved yet
+    assert faults.resume_point(d, None) == d  # an explicit --resume must exist
+    assert faults.resume_point(None, d) is None
+
+
+# ----------------------------------------------------- real processes
+def _launch(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
+    """Run ``args``; returns (exit code, output, seconds from the fault to the exit)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    p = subprocess.Popen(
+        args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines, t_fault = [], None
+    assert p.stdout is not None
+    for line in p.stdout:
+        lines.append(line)
+        if t_fault is None and "[freescale fault injector" in line:
+            t_fault = time.monotonic()
+    rc = p.wait(timeout=120)
+    end = time.monotonic()
+    return rc, "".join(lines), (end - t_fault) if t_fault is not None else float("nan")
+
+
+def _cli(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "freescale.cli", "train", "--nproc", "2", *TINY, *extra]
+
+
+def test_killed_rank_ends_job_within_timeout(tmp_path):
+    timeout = 15
+    rc, out, after = _launch(
+        _cli("--timeout", str(timeout)), {"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1:3"}, tmp_path
+    )
+    assert rc != 0, out
+    assert after < timeout + SLACK_S, (after, out)
+    # rank 0's error names the collective, the step and the dead rank
+    assert "[freescale rank 0] RankLost: " in out, out
+    line = next(ln for ln in out.splitlines() if "[freescale rank 0] RankLost" in ln)
+    assert "(gloo) failed at step 3" in line and "rank 1" in line, line
+    assert "has exited" in line or "heartbeat stopped" in line, line
+    # and the launcher names the killed rank as the root cause
+    assert "ChildFailedError" in out and "SIGKILL" in out, out
+
+
+def test_hung_rank_times_out_with_names(tmp_path):
+    timeout = 6
+    rc, out, after = _launch(
+        _cli("--timeout", str(timeout)),
+        {"FREESCALE_FAULT_HANG_RANK_AT_STEP": "1:3:60"},
+        tmp_path,
+    )
+    assert rc != 0, out
+    assert timeout - 1 <= after < timeout + SLACK_S, (after, out)
+    line = next(ln for ln in out.splitlines() if "[freescale rank 0] CollectiveTimeout" in ln)
+    assert f"timed out after {timeout} s at step 3 (backward)" in line, line
+    assert "rank 1 did not arrive (last seen:" in line and "alive" in line, line
+
+
+def _torchrun(*extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.5",
+        *extra,
+    ]
+
+
+def test_elastic_restart_with_resume_matches_uninterrupted(tmp_path):
+    def run(name: str, env: dict[str, str], restarts: int) -> dict:
+        ck = str(tmp_path / f"ck_{name}")
+        summary = tmp_path / f"{name}.json"
+        args = [
+            *_torchrun("--max-restarts", str(restarts), "-m", "freescale.cli", "train"),
+            *TINY,
+            *("--timeout", "15", "--checkpoint-dir", ck, "--checkpoint-every", "2"),
+            *("--resume", ck, "--summary", str(summary)),
+        ]
+        rc, out, _ = _launch(args, env, tmp_path)
+        assert rc == 0, out
+        return {"out": out, "summary": json.loads(summary.read_text())["summary"]}
+
+    faulty = run("restarted", {"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1:3"}, restarts=1)
+    assert "[freescale fault injector" in faulty["out"]  # the first attempt did die
+    clean = run("clean", {}, restarts=0)
+    keys = ["steps", "eval_ne", "eval_auc", "eval_logloss", "eval_calibration"]
+    assert {k: faulty["summary"][k] for k in keys} == {k: clean["summary"][k] for k in keys}
