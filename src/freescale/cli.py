@@ -287,11 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         from .balance.simulator import simulate_main
 
         return simulate_main(argv[1:])
+    if argv[:2] == ["bench", "e2e"]:  # the benchmark parses its own flags
+        from .pipeline.bench_e2e import bench_e2e_main
+
+        return bench_e2e_main(argv[2:])
     parser = argparse.ArgumentParser(prog="freescale", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_train = sub.add_parser("train", help="train the reference model (default: synthetic)")
     _add_train_flags(p_train)
     sub.add_parser("simulate", help="straggler simulator (see balance/README.md)")
+    sub.add_parser("bench", help="benchmarks: 'bench e2e --out DIR' (all modes side by side)")
     args = parser.parse_args(argv)
     if args.cmd == "train":
         return cmd_train(args)

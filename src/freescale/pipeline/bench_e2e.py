@@ -1,0 +1,428 @@
+"""``freescale bench e2e``: every training mode side by side on the same data, one report.
+
+Owns :func:`run_e2e` (called on every rank of an initialised process group: one
+:class:`~freescale.pipeline.trainer.Trainer` per variant, all on the same config, data
+and seed), :func:`write_report` (``e2e.json``, ``e2e.md``, ``e2e.png``) and
+:func:`bench_e2e_main`, the command line, which launches local ranks the way
+``freescale train`` does (torch's ``elastic_launch`` with the module-level entry point
+:func:`bench_rank`).
+
+Variants (:data:`VARIANTS`):
+
+* ``vanilla``: the TorchRec-equivalent schedule, no balancing;
+* ``prioritized``: prioritized embedding updates (DESIGN.md 2.2; bitwise equal to
+  vanilla, tier 1);
+* ``balance_fbs``: vanilla schedule + sequence load balancing with FBS (tier 2);
+* ``freescale``: prioritized + FBS balancing (tier 2).
+
+Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
+share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
+activity counters (prioritized steps, collision / exclusive / deferred rows, samples
+moved by the balancer) and a step-time breakdown (data, embedding, dense, optimizer,
+metrics; ms per step on rank 0). The headline compares ``freescale`` with ``vanilla``:
+``qps_ratio`` and ``ne_rel_diff``. Not yet measured here (no profiler trace): bubble
+and exposed-communication time, the noise floor and scaling efficiency; the JSON lists
+them under ``not_measured``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainConfig
+from .trainer import Trainer, TrainerHook
+
+__all__ = ["VARIANTS", "run_e2e", "write_report", "bench_rank", "bench_e2e_main"]
+
+VARIANTS = ("vanilla", "prioritized", "balance_fbs", "freescale")
+# variant -> (embedding schedule, balancing partitioner or None)
+_SPEC: dict[str, tuple[str, str | None]] = {
+    "vanilla": ("vanilla", None),
+    "prioritized": ("prioritized", None),
+    "balance_fbs": ("vanilla", "fbs"),
+    "freescale": ("prioritized", "fbs"),
+}
+BREAKDOWN = ("data", "embedding", "dense", "optimizer", "metrics")
+_NOT_MEASURED = [
+    "bubble_reduction",
+    "exposed_comm_reduction",
+    "ne_noise_floor",
+    "scaling_efficiency",
+]
+
+
+class _StepRecorder(TrainerHook):
+    """Keeps a compact per-step record: total step ms and straggler share (this rank)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_metrics(self, trainer: Trainer, step: int, record: dict[str, Any]) -> None:
+        t = record["times"]
+        total = sum(t.get(k, 0.0) for k in ("data", "forward", "backward", "optimizer", "metrics"))
+        self.steps.append(
+            {
+                "step": step,
+                "step_ms": 1e3 * total,
+                "straggler_share": float(record.get("straggler_share", float("nan"))),
+            }
+        )
+
+
+def _breakdown(stage_ms: dict[str, float]) -> dict[str, float]:
+    """Mean ms per step split into data / embedding / dense / optimizer / metrics."""
+    fwd_bwd = stage_ms.get("forward", 0.0) + stage_ms.get("backward", 0.0)
+    dense = stage_ms.get("dense", 0.0)
+    return {
+        "data": stage_ms.get("data", 0.0),
+        "embedding": max(fwd_bwd - dense, 0.0),
+        "dense": dense,
+        "optimizer": stage_ms.get("optimizer", 0.0),
+        "metrics": stage_ms.get("metrics", 0.0),
+    }
+
+
+def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
+    log = base.log_path
+    if log:
+        stem, ext = os.path.splitext(log)
+        log = f"{stem}.{variant}{ext or '.jsonl'}"
+    return dataclasses.replace(base, mode=mode, log_path=log)
+
+
+def run_variant(
+    rank: int, world: int, base_cfg: TrainConfig, variant: str, ctx: Any = None
+) -> dict[str, Any]:
+    """Train one variant from scratch on ``base_cfg``; its report row (every rank)."""
+    if variant not in _SPEC:
+        raise ValueError(f"unknown variant '{variant}'; choose from {', '.join(VARIANTS)}")
+    mode, partitioner = _SPEC[variant]
+    cfg = _variant_cfg(base_cfg, variant, mode)
+    rec = _StepRecorder()
+    hooks: list[TrainerHook] = []
+    balance = None
+    if partitioner is not None:
+        from ..balance.hook import BalanceHook
+        from ..balance.planner import BalanceConfig
+
+        balance = BalanceHook(BalanceConfig(partitioner=partitioner))
+        hooks.append(balance)
+    hooks.append(rec)
+    tr = Trainer(cfg, hooks=hooks, ctx=ctx)
+    if tr.world_size != world or tr.rank != rank:
+        raise RuntimeError(f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}")
+    try:
+        summary = tr.train()
+    finally:
+        tr.close()
+    pstats = getattr(tr.sparse, "pstats", None)
+    ps = pstats.as_dict() if pstats is not None else {}
+    local = torch.tensor(
+        [float(ps.get("deferred_rows", 0)), float(ps.get("deferred_ids", 0))], dtype=torch.float64
+    )
+    if world > 1:  # deferred counts are per owner: sum them
+        local = tr.meta_comm.all_reduce(local.to(tr.meta_comm.device), name="e2e").wait().cpu()
+    activity = {
+        "prioritized_steps": int(ps.get("prioritized_steps", 0)),
+        "sync_steps": int(ps.get("sync_steps", summary.get("steps", 0))),
+        "fallbacks": int(ps.get("fallbacks", 0)),
+        "collision_rows": int(ps.get("collision_rows", 0)),
+        "collision_ids": int(ps.get("collision_ids", 0)),
+        "exclusive_rows": int(ps.get("exclusive_rows", 0)),
+        "deferred_rows": int(local[0]),
+        "deferred_ids": int(local[1]),
+        "collision_rate": ps.get("collision_rate", {"distinct": 0.0, "occurrence": 0.0}),
+        "samples_moved": int(balance.samples_moved_total) if balance else 0,
+        "bytes_moved": int(balance.bytes_moved_total) if balance else 0,
+        "steps_balanced": int(balance.steps_balanced) if balance else 0,
+    }
+    stage_ms = dict(summary.get("stage_ms", {}))
+    curve = [
+        {k: float(e[k]) for k in ("step", "eval_ne", "eval_auc") if k in e} for e in tr.eval_history
+    ]
+    return {
+        "variant": variant,
+        "mode": mode,
+        "balance": partitioner,
+        "qps": float(summary.get("qps", float("nan"))),
+        "eval_ne": float(summary.get("eval_ne", float("nan"))),
+        "oracle_ne": float(summary.get("oracle_ne", float("nan"))),
+        "eval_auc": float(summary.get("eval_auc", float("nan"))),
+        "straggler_share_median": float(summary.get("straggler_share_median", float("nan"))),
+        "step_ms": sum(_breakdown(stage_ms).values()),
+        "breakdown_ms": _breakdown(stage_ms),
+        "stage_ms": stage_ms,
+        "ne_curve": curve,
+        "activity": activity,
+        "per_step": rec.steps,
+        "summary": {k: v for k, v in summary.items() if k not in ("stage_ms", "balance")},
+    }
+
+
+def run_e2e(
+    rank: int,
+    world: int,
+    base_cfg: TrainConfig,
+    variants: list[str] | tuple[str, ...] = VARIANTS,
+    ctx: Any = None,
+) -> dict[str, Any]:
+    """Train every variant on the same config (data, seed) in turn; the rows (every
+    rank; timings are rank-local, numerics identical on every rank)."""
+    bad = [v for v in variants if v not in _SPEC]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    rows = [run_variant(rank, world, base_cfg, v, ctx=ctx) for v in variants]
+    device = rows[0]["summary"].get("device", "cpu") if rows else "cpu"
+    return {
+        "world_size": world,
+        "rank": rank,
+        "device": _describe_device(device, rows[0]["summary"].get("backend") if rows else None),
+        "config": dataclasses.asdict(base_cfg),
+        "rows": rows,
+    }
+
+
+def _describe_device(device: str, backend: str | None) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+        name = f"CPU ({name}, {os.cpu_count()} cores)"
+    return f"{name}; {backend or 'single'}"
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else float("nan")
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """freescale (and every other variant) against vanilla."""
+    by = {r["variant"]: r for r in rows}
+    van = by.get("vanilla")
+    out: dict[str, Any] = {}
+    if van is None:
+        return out
+    for name, r in by.items():
+        if name == "vanilla":
+            continue
+        key = "" if name == "freescale" else f"_{name}"
+        out[f"qps_ratio{key}"] = r["qps"] / van["qps"] if van["qps"] else float("nan")
+        out[f"ne_rel_diff{key}"] = _rel(r["eval_ne"], van["eval_ne"])
+        out[f"step_ms_ratio{key}"] = r["step_ms"] / van["step_ms"] if van["step_ms"] else None
+    if "freescale" in by:
+        fs = by["freescale"]
+        out["straggler_share_vanilla"] = van["straggler_share_median"]
+        out["straggler_share_freescale"] = fs["straggler_share_median"]
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    cols = [
+        ("variant", "{}"),
+        ("qps", "{:.1f}"),
+        ("step_ms", "{:.2f}"),
+        ("eval_ne", "{:.6f}"),
+        ("eval_auc", "{:.4f}"),
+        ("straggler_share_median", "{:.3f}"),
+    ]
+    acts = ("prioritized_steps", "collision_rows", "deferred_rows", "samples_moved")
+    head = [c for c, _ in cols] + [f"ms {b}" for b in BREAKDOWN] + list(acts)
+    lines = [
+        f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
+        "",
+        f"{report['date']}, git {report.get('git_sha') or 'unknown'}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in report["rows"]:
+        cells = []
+        for c, fmt in cols:
+            v = r.get(c)
+            cells.append("n/a" if v is None else fmt.format(v))
+        cells += [f"{r['breakdown_ms'].get(b, 0.0):.2f}" for b in BREAKDOWN]
+        cells += [str(r["activity"].get(a, 0)) for a in acts]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Headline (freescale vs vanilla):", ""]
+    for k, v in report["headline"].items():
+        lines.append(f"- `{k}`: {v}")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict[str, Any], path: str) -> str | None:
+    """Step-time breakdown per mode + NE curves; returns a note when skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not importable: e2e.png not written"
+    rows = report["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["variant"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for b in BREAKDOWN:
+        vals = [r["breakdown_ms"].get(b, 0.0) for r in rows]
+        ax1.bar(names, vals, bottom=bottom, label=b)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    ax1.set_ylabel("ms per step (rank 0, mean)")
+    ax1.set_title("step-time breakdown")
+    ax1.legend(fontsize="small")
+    for r in rows:
+        c = r["ne_curve"]
+        ax2.plot([p["step"] for p in c], [p["eval_ne"] for p in c], marker="o", label=r["variant"])
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("eval NE")
+    ax2.set_title("NE curves")
+    ax2.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_report(
+    result: dict[str, Any], out_dir: str, command: str | None = None
+) -> dict[str, Any]:
+    """Write ``e2e.json``, ``e2e.md`` and ``e2e.png`` (if matplotlib imports) under
+    ``out_dir``; returns the JSON report."""
+    os.makedirs(out_dir, exist_ok=True)
+    rows = result["rows"]
+    report: dict[str, Any] = {
+        "figure": "e2e",
+        "device": result.get("device"),
+        "world_size": result.get("world_size"),
+        "git_sha": _git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or result.get("command") or " ".join(sys.argv),
+        "variants": [r["variant"] for r in rows],
+        "rows": rows,
+        "headline": headline(rows),
+        "not_measured": list(_NOT_MEASURED),
+        "config": result.get("config"),
+        "notes": [],
+    }
+    note = _plot(report, os.path.join(out_dir, "e2e.png"))
+    report["plot"] = None if note else "e2e.png"
+    if note:
+        report["notes"].append(note)
+    report = _jsonable(report)
+    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+        json.dump(report, f, indent=2, default=float)
+    with open(os.path.join(out_dir, "e2e.md"), "w") as f:
+        f.write(_markdown(report))
+    return report
+
+
+# ----------------------------------------------------------------------------- CLI
+def bench_rank(
+    cfg_dict: dict[str, Any], variants: list[str], out_dir: str, timeout: float, command: str
+) -> dict[str, Any] | None:
+    """Entry point of one rank (module level so the launcher can pickle it); rank 0
+    writes the report and returns its headline."""
+    from ..cli import _cfg_from_dict
+    from .distributed import init_distributed
+
+    cfg = _cfg_from_dict(cfg_dict)
+    ctx = init_distributed(cfg.device, timeout_s=timeout)
+    try:
+        result = run_e2e(ctx.rank, ctx.world_size, cfg, variants, ctx=ctx)
+        if ctx.rank == 0:
+            report = write_report(result, out_dir, command=command)
+            print(_markdown(report), flush=True)
+            return report["headline"]
+        return None
+    finally:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def bench_e2e_main(argv: list[str] | None = None) -> int:
+    """``freescale bench e2e --out DIR [--steps N] [--variants ...] [--nproc N]`` (plus
+    every ``freescale train`` data / model flag; ``--mode`` and ``--balance`` are ignored:
+    the variants set them)."""
+    from ..cli import _add_train_flags, build_train_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="freescale bench e2e", description=__doc__.split("\n")[0])
+    _add_train_flags(p)
+    p.add_argument("--out", required=True, help="report folder (e2e.json, e2e.md, e2e.png)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = p.parse_args(argv)
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.nproc is None:
+        args.nproc = (
+            int(os.environ["WORLD_SIZE"])
+            if in_torchrun
+            else (torch.cuda.device_count() if gpu else 2)
+        )
+    args.no_progress = True
+    cfg = build_train_config(args, gpu)
+    cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    command = "freescale bench e2e " + " ".join(argv)
+    rank_args = (cfg_dict, list(args.variants), args.out, args.timeout, command)
+    if in_torchrun or args.nproc == 1:
+        bench_rank(*rank_args)
+        return 0
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        run_id=f"freescale-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    print(
+        f"freescale bench e2e: {len(args.variants)} variants x {args.steps} steps on "
+        f"{args.nproc} local ranks ({'NCCL' if gpu else 'gloo on CPU'})",
+        flush=True,
+    )
+    elastic_launch(lc, entrypoint=bench_rank)(*rank_args)
+    print(f"report: {os.path.join(args.out, 'e2e.json')}", flush=True)
+    return 0

@@ -1,0 +1,105 @@
+"""``freescale bench e2e`` on CPU (gloo, 2 ranks), small config: the report is written
+with its schema, and only numerics are asserted (never timings):
+
+* prioritized's eval NE (every eval point) equals vanilla's bitwise (tier 1);
+* balance_fbs and freescale are within 1e-12 relative of vanilla in float64 (tier 2);
+* every technique really ran: prioritized steps, collision and deferred rows, samples
+  moved by the balancer are all > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
+from freescale.pipeline.bench_e2e import VARIANTS, run_e2e, write_report
+
+F64_TOL = 1e-12  # DESIGN.md section 1, tier 2 (float64)
+STEPS = 8
+
+
+def e2e_config() -> TrainConfig:
+    """tests/test_trainer.py's tiny config with skewed lengths (the balancer moves
+    samples) and collision injection (prioritized has collision rows)."""
+    return TrainConfig(
+        data=DataConfig(
+            seed=7,
+            global_batch_size=16,
+            num_items=300,
+            num_actions=3,
+            median_uih=4,
+            sigma=1.5,
+            max_uih=48,
+            num_candidates=3,
+            eval_samples=16,
+            overlap=0.3,
+        ),
+        model=ModelConfig(
+            embedding_dim=8, num_layers=1, num_heads=2, max_positions=64, dtype="float64"
+        ),
+        sparse_optim=SparseOptimConfig(kind="rowwise_adagrad", lr=0.05),
+        steps=STEPS,
+        eval_every=4,
+        log_every=10_000,
+        progress=False,
+        device="cpu",
+        dense_lr=1e-2,
+    )
+
+
+def _e2e(rank, world, cfg, variants):
+    return run_e2e(rank, world, cfg, variants)
+
+
+def test_e2e_report_numerics(pool2, tmp_path):
+    res = pool2.run(_e2e, e2e_config(), list(VARIANTS))
+    report = write_report(res[0], str(tmp_path), command="pytest tests/test_bench_e2e.py")
+
+    # --- schema (files and keys; no values of timings)
+    for name in ("e2e.json", "e2e.md"):
+        assert os.path.getsize(tmp_path / name) > 0
+    on_disk = json.loads((tmp_path / "e2e.json").read_text())
+    assert on_disk["figure"] == "e2e"
+    for key in ("device", "git_sha", "date", "command", "rows", "headline"):
+        assert key in on_disk, key
+    assert [r["variant"] for r in on_disk["rows"]] == list(VARIANTS)
+    assert {"qps_ratio", "ne_rel_diff"} <= set(on_disk["headline"])
+    assert (tmp_path / "e2e.png").exists() == (on_disk["plot"] == "e2e.png")
+    if on_disk["plot"] is None:
+        assert on_disk["notes"], "a skipped plot is explained"
+    md = (tmp_path / "e2e.md").read_text()
+    assert all(f"| {v} |" in md for v in VARIANTS)
+    for r in on_disk["rows"]:
+        for key in ("qps", "eval_ne", "stage_ms", "breakdown_ms", "ne_curve", "activity"):
+            assert key in r, key
+
+    # --- numerics
+    rows = {r["variant"]: r for r in report["rows"]}
+    van = rows["vanilla"]
+    steps = [p["step"] for p in van["ne_curve"]]
+    assert steps == [4, 8]
+    for name in VARIANTS:
+        assert [p["step"] for p in rows[name]["ne_curve"]] == steps
+    # every rank reports the same numerics
+    for r in res[1]["rows"]:
+        assert r["ne_curve"] == rows[r["variant"]]["ne_curve"]
+    # tier 1: prioritized is bitwise vanilla (whole curve)
+    assert rows["prioritized"]["ne_curve"] == van["ne_curve"]
+    assert rows["prioritized"]["eval_ne"] == van["eval_ne"]
+    # tier 2: balancing reorders sums (float64)
+    for name in ("balance_fbs", "freescale"):
+        for p, q in zip(rows[name]["ne_curve"], van["ne_curve"]):
+            assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
+    assert report["headline"]["ne_rel_diff"] <= F64_TOL
+    assert report["headline"]["ne_rel_diff_prioritized"] == 0.0
+
+    # --- every technique really ran
+    for name in ("prioritized", "freescale"):
+        a = rows[name]["activity"]
+        assert a["prioritized_steps"] > 0, a
+        assert a["collision_rows"] > 0 and a["deferred_rows"] > 0, a
+    for name in ("balance_fbs", "freescale"):
+        assert rows[name]["activity"]["samples_moved"] > 0, rows[name]["activity"]
+    assert van["activity"]["prioritized_steps"] == 0
+    assert van["activity"]["samples_moved"] == 0
