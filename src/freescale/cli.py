@@ -256,29 +256,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.checkpoint_dir,
         args.checkpoint_every,
     )
-    if in_torchrun or args.nproc == 1:
-        run_rank(*rank_args)
-        return 0
+    if not (in_torchrun or args.nproc == 1):
+        print(
+            f"freescale train: launching {args.nproc} local ranks "
+            f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
+            flush=True,
+        )
+    launch_local(run_rank, rank_args, args.nproc, in_torchrun)
+    return 0
+
+
+def launch_local(
+    entrypoint: Any, entry_args: tuple, nproc: int, in_torchrun: bool, name: str = "freescale"
+) -> None:
+    """Run ``entrypoint(*entry_args)`` here (under torchrun, or one rank) or on ``nproc``
+    local ranks through torch's elastic launcher (what torchrun uses)."""
+    if in_torchrun or nproc == 1:
+        entrypoint(*entry_args)
+        return
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"freescale-{uuid.uuid4().hex[:8]}",
+        nproc_per_node=nproc,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.5,
         start_method="spawn",
     )
-    print(
-        f"freescale train: launching {args.nproc} local ranks "
-        f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
-        flush=True,
-    )
-    elastic_launch(lc, entrypoint=run_rank)(*rank_args)
-    return 0
+    elastic_launch(lc, entrypoint=entrypoint)(*entry_args)
 
 
 def main(argv: list[str] | None = None) -> int:

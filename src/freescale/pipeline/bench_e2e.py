@@ -36,7 +36,6 @@ import os
 import platform
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 import torch
@@ -381,7 +380,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     """``freescale bench e2e --out DIR [--steps N] [--variants ...] [--nproc N]`` (plus
     every ``freescale train`` data / model flag; ``--mode`` and ``--balance`` are ignored:
     the variants set them)."""
-    from ..cli import _add_train_flags, build_train_config
+    from ..cli import _add_train_flags, build_train_config, launch_local
 
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="freescale bench e2e", description=__doc__.split("\n")[0])
@@ -402,27 +401,12 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     command = "freescale bench e2e " + " ".join(argv)
     rank_args = (cfg_dict, list(args.variants), args.out, args.timeout, command)
-    if in_torchrun or args.nproc == 1:
-        bench_rank(*rank_args)
-        return 0
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"freescale-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.5,
-        start_method="spawn",
-    )
-    print(
-        f"freescale bench e2e: {len(args.variants)} variants x {args.steps} steps on "
-        f"{args.nproc} local ranks ({'NCCL' if gpu else 'gloo on CPU'})",
-        flush=True,
-    )
-    elastic_launch(lc, entrypoint=bench_rank)(*rank_args)
+    if not (in_torchrun or args.nproc == 1):
+        print(
+            f"freescale bench e2e: {len(args.variants)} variants x {args.steps} steps on "
+            f"{args.nproc} local ranks ({'NCCL' if gpu else 'gloo on CPU'})",
+            flush=True,
+        )
+    launch_local(bench_rank, rank_args, args.nproc, in_torchrun, name="freescale-bench")
     print(f"report: {os.path.join(args.out, 'e2e.json')}", flush=True)
     return 0
