@@ -48,9 +48,17 @@ SMALL = (
 ).split()
 OURS = re.compile(r"\[freescale rank \d+\] (RankLost|CollectiveTimeout|collective timeout)")
 NCCL_WD = re.compile(r"Watchdog caught collective operation timeout|NCCL.*(timeout|abort)", re.I)
+# torchrun's failure report naming the failed rank first (a dead worker makes the agent
+# tear the survivors down at its next monitor tick, before any collective can time out)
+LAUNCHER = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*",
+    re.S,
+)
 
 
-def run_scenario(kind: str, device: str, timeout: float, step: int, slack: float) -> dict[str, Any]:
+def run_scenario(
+    kind: str, device: str, timeout: float, step: int, slack: float, log_dir: str | None = None
+) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -90,12 +98,20 @@ def run_scenario(kind: str, device: str, timeout: float, step: int, slack: float
     out = "".join(lines)
     ours = [ln.strip() for ln in lines if OURS.search(ln)]
     nccl = [ln.strip() for ln in lines if NCCL_WD.search(ln)]
+    root = LAUNCHER.search(out)
+    launcher = " ".join(root.group(0).split()) if root else None
+    # for a killed rank, torchrun's report must name that rank (1) as the root cause
+    launcher_names_rank = bool(root) and root.group(1) == "1" and kind == "kill"
     after = (t_end - t_fault) if t_fault is not None else None
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, f"kill_rank_{device}_{kind}.log"), "w") as f:
+            f.write(out)
     checks = {
         "fault_injected": t_fault is not None,
         "exit_nonzero": rc != 0,
         "within_timeout": after is not None and after <= timeout + slack,
-        "clear_message": bool(ours) or bool(nccl),
+        "clear_message": bool(ours) or bool(nccl) or launcher_names_rank,
         "launcher_reports_failure": "ChildFailedError" in out,
     }
     return {
@@ -106,9 +122,12 @@ def run_scenario(kind: str, device: str, timeout: float, step: int, slack: float
         "exit_code": rc,
         "seconds_fault_to_exit": after,
         "seconds_total": t_end - t0,
-        "message_source": "freescale" if ours else ("nccl" if nccl else None),
+        "message_source": "freescale"
+        if ours
+        else ("nccl" if nccl else ("launcher" if launcher_names_rank else None)),
         "freescale_message": ours[0][:600] if ours else None,
         "nccl_message": nccl[0][:600] if nccl else None,
+        "launcher_root_cause": launcher[:600] if launcher else None,
         "checks": {k: bool(v) for k, v in checks.items()},
         "passed": all(checks.values()),
     }
@@ -124,7 +143,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write kill_rank_<device>.json here")
     args = ap.parse_args()
     results = [
-        run_scenario(k, args.device, args.timeout, args.step, args.slack)
+        run_scenario(k, args.device, args.timeout, args.step, args.slack, args.out)
         for k in args.scenarios.split(",")
     ]
     verdict = {"passed": all(r["passed"] for r in results), "results": results}

@@ -81,6 +81,27 @@ def test_timeout_names_collective_step_and_missing_rank(tmp_path):
     assert mon.diagnosis is not None and "rank 1 did not arrive" in mon.diagnosis
 
 
+def test_watchdog_sees_a_hung_work_after_its_awaitable_is_dropped(tmp_path):
+    """NCCL: ``wait()`` only orders streams, the caller drops the Awaitable and the CPU
+    blocks later in a CUDA sync. The watchdog must still see the work hang (it once held
+    only a weak reference to the Awaitable, which died here: no report, no exit)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    _heartbeat(store, 1)
+    mon = FaultMonitor(0.5, 0, 2, "nccl", store=store, hard_exit=False, grace=0.2).start()
+    work = _StuckWork("never raised")
+    try:
+        mon.progress.seq, mon.progress.step, mon.progress.stage = 1, 3, "backward"
+        aw = Awaitable([work], lambda: None, "grads", "all_to_all 'grads' on rank 0 of 2 (nccl)")
+        del aw  # what the trainer does once the streams are ordered
+        deadline = time.monotonic() + 10.0
+        while mon.diagnosis is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        work.release.set()
+        mon.close()
+    assert mon.diagnosis is not None and "rank 1 did not arrive" in mon.diagnosis
+
+
 def test_lost_connection_names_dead_rank(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -42,7 +42,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +126,11 @@ class FaultMonitor(TrainerHook):
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self._last: weakref.ReferenceType[Awaitable[Any]] | None = None
+        # the last issued collective: (works, description, tag). Strong references to
+        # the Work objects, not to the Awaitable: on NCCL ``wait()`` returns as soon as
+        # the streams are ordered and the caller drops the Awaitable, but the work may
+        # still hang on the device (a weak reference died there and hid the hang).
+        self._last: tuple[list[Any], str, Any] | None = None
         self._last_issued_at = 0.0
         self._threads: list[threading.Thread] = []
         self._t0 = time.time()
@@ -193,7 +196,7 @@ class FaultMonitor(TrainerHook):
         what = _short(aw)
         p.what = what
         aw._fs_tag = (p.seq, p.step, p.stage, what)  # type: ignore[attr-defined]
-        self._last = weakref.ref(aw)
+        self._last = (list(aw._works), aw._describe or _short(aw), aw._fs_tag)  # type: ignore[attr-defined]
         self._last_issued_at = time.monotonic()
         self._changed.set()
 
@@ -333,34 +336,32 @@ class FaultMonitor(TrainerHook):
     def _watchdog(self) -> None:
         poll = min(1.0, max(0.05, self.deadline_s / 20))
         while not self._stop.wait(poll):
-            ref = self._last
-            aw = ref() if ref is not None else None
-            # NCCL: wait() only orders streams (sets _done); ask the works themselves
-            if aw is None or (aw._done and self.backend != "nccl"):
+            last = self._last
+            if last is None:
                 continue
+            works, describe, tag = last
             waited = time.monotonic() - self._last_issued_at
             if waited < self.deadline_s:
                 continue
             try:
-                completed = all(w.is_completed() for w in aw._works)
+                completed = all(w.is_completed() for w in works)
             except Exception:  # noqa: BLE001 - a failed work: the caller raises
                 completed = True
             if completed:
                 continue
-            tag = getattr(aw, "_fs_tag", None)
             try:
                 self.diagnosis = self.diagnose(tag)
             except Exception as e:  # noqa: BLE001
                 self.diagnosis = f"diagnosis failed: {e}"
             at = f" at step {tag[1]} ({tag[2]})" if tag else ""
             _say(
-                f"[freescale rank {self.rank}] collective timeout: {aw._describe} not "
+                f"[freescale rank {self.rank}] collective timeout: {describe} not "
                 f"complete after {self.deadline_s:g} s{at}: {self.diagnosis}"
             )
             if self._stop.wait(self.grace) or not self.hard_exit or self._raised:
                 return
             try:
-                if all(w.is_completed() for w in aw._works):
+                if all(w.is_completed() for w in works):
                     return
             except Exception:  # noqa: BLE001
                 return
