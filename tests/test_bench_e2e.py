@@ -1,8 +1,11 @@
 """``freescale bench e2e`` on CPU (gloo, 2 ranks), small config: the report is written
 with its schema, and only numerics are asserted (never timings):
 
-* prioritized's eval NE (every eval point) equals vanilla's bitwise (tier 1);
-* balance_fbs and freescale are within 1e-12 relative of vanilla in float64 (tier 2);
+* prioritized's and sdd's eval NE (every eval point) equal vanilla's bitwise (tier 1);
+* balance_fbs, freescale and the reordered vanilla (the noise floor) are within 1e-12
+  relative of vanilla in float64 (tier 2);
+* the trainers run with ``timing="events"`` and profile their last steps (the GPU
+  accounting says it is unavailable on CPU, and the headline lists it as not measured);
 * every technique really ran: prioritized steps, collision and deferred rows, samples
   moved by the balancer are all > 0.
 """
@@ -12,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
-from freescale.pipeline.bench_e2e import VARIANTS, run_e2e, write_report
+from freescale.pipeline.bench_e2e import VARIANTS, headline, merge_results, run_e2e, write_report
 
 F64_TOL = 1e-12  # DESIGN.md section 1, tier 2 (float64)
 STEPS = 8
@@ -45,6 +50,8 @@ def e2e_config() -> TrainConfig:
         progress=False,
         device="cpu",
         dense_lr=1e-2,
+        timing="events",
+        profile_steps=2,
     )
 
 
@@ -84,15 +91,22 @@ def test_e2e_report_numerics(pool2, tmp_path):
     # every rank reports the same numerics
     for r in res[1]["rows"]:
         assert r["ne_curve"] == rows[r["variant"]]["ne_curve"]
-    # tier 1: prioritized is bitwise vanilla (whole curve)
-    assert rows["prioritized"]["ne_curve"] == van["ne_curve"]
-    assert rows["prioritized"]["eval_ne"] == van["eval_ne"]
-    # tier 2: balancing reorders sums (float64)
-    for name in ("balance_fbs", "freescale"):
+    # tier 1: prioritized and sdd are bitwise vanilla (whole curve)
+    for name in ("prioritized", "sdd"):
+        assert rows[name]["ne_curve"] == van["ne_curve"], name
+        assert rows[name]["eval_ne"] == van["eval_ne"], name
+        assert report["headline"][f"ne_rel_diff_{name}"] == 0.0
+    # tier 2: balancing and the legal reordering change summation orders (float64)
+    for name in ("balance_fbs", "freescale", "vanilla_reordered"):
         for p, q in zip(rows[name]["ne_curve"], van["ne_curve"]):
             assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
     assert report["headline"]["ne_rel_diff"] <= F64_TOL
-    assert report["headline"]["ne_rel_diff_prioritized"] == 0.0
+    assert 0.0 < report["headline"]["ne_noise_floor"] <= F64_TOL  # the reordering is real
+    # CPU: no GPU activity to account; said so, never invented
+    assert van["gpu_accounting"]["profiled_steps"] == 2
+    assert not van["gpu_accounting"]["available"]
+    assert {"bubble_reduction", "scaling_efficiency"} <= set(report["not_measured"])
+    assert van["summary"]["timing"] == "events"
 
     # --- every technique really ran
     for name in ("prioritized", "freescale"):
@@ -103,3 +117,15 @@ def test_e2e_report_numerics(pool2, tmp_path):
         assert rows[name]["activity"]["samples_moved"] > 0, rows[name]["activity"]
     assert van["activity"]["prioritized_steps"] == 0
     assert van["activity"]["samples_moved"] == 0
+
+    # --- scaling efficiency against a "one-GPU" report (here: the same rows, world 1)
+    base = {"world_size": 1, "rows": [{**r, "qps": r["qps"] / 2} for r in report["rows"]]}
+    head, missing = headline(report["rows"], base)
+    assert abs(head["scaling_efficiency"] - 1.0) < 1e-12 and "scaling_efficiency" not in missing
+
+    # --- a sweep split over launches: rows merge, a rerun variant replaces its row
+    merged = merge_results(on_disk, {**res[0], "rows": res[0]["rows"][:1]})
+    assert [r["variant"] for r in merged["rows"]] == [*VARIANTS[1:], VARIANTS[0]]
+    other = {**res[0], "config": {**res[0]["config"], "seed": 99}}
+    with pytest.raises(ValueError, match="different config"):
+        merge_results(on_disk, other)

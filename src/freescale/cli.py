@@ -73,9 +73,26 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-samples", type=int, default=None)
     p.add_argument(
         "--mode",
-        choices=["vanilla", "prioritized"],
+        choices=["vanilla", "sdd", "prioritized"],
         default="vanilla",
-        help="embedding schedule (prioritized: DESIGN.md 2.2, bitwise equal)",
+        help="embedding schedule (sdd: ids of t+1 ahead; prioritized: DESIGN.md 2.2; both "
+        "bitwise equal to vanilla)",
+    )
+    p.add_argument(
+        "--timing",
+        choices=["sync", "events"],
+        default="sync",
+        help="stage timing: sync (exact stage times, serialises the GPU at stage "
+        "boundaries) or events (CUDA events read a step later; for throughput)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile the last N steps: GPU compute / communication / bubble per step",
+    )
+    p.add_argument(
+        "--trace-dir", default=None, help="keep each rank's Chrome trace here (Perfetto)"
     )
     p.add_argument(
         "--max-collision-rate",
@@ -137,6 +154,9 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         progress=not args.no_progress,
         mode=args.mode,
         max_collision_rate=args.max_collision_rate,
+        timing=args.timing,
+        profile_steps=args.profile_steps,
+        trace_dir=args.trace_dir,
     )
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr
@@ -228,6 +248,18 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"straggler share (median over steps): {s['straggler_share_median']:.3f}")
     stages = ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items())
     print(f"stage ms (rank 0, mean): {stages}")
+    acc = s.get("gpu_accounting")
+    if acc and acc.get("available"):
+        print(
+            f"GPU per step (mean over ranks, last {acc['profiled_steps']} steps): "
+            f"window {acc['window_ms']:.2f} ms, compute {acc['compute_ms']:.2f}, "
+            f"bubble {acc['bubble_ms']:.2f} (exposed comm {acc['exposed_comm_ms']:.2f}, "
+            f"other idle {acc['other_idle_ms']:.2f})"
+        )
+    elif acc:
+        print(f"GPU accounting: not available ({acc.get('reason')})")
+    if acc and acc.get("trace_dir"):
+        print(f"traces (open in https://ui.perfetto.dev): {acc['trace_dir']}/trace_rank*.json")
     sys.stdout.flush()
 
 

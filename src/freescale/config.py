@@ -138,14 +138,28 @@ class TrainConfig:
     log_path: str | None = None  # JSON lines
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    # embedding schedule: "vanilla" (synchronous, TorchRec-equivalent) or "prioritized"
+    # embedding schedule: "vanilla" (synchronous, TorchRec-equivalent), "sdd" (DESIGN.md 3:
+    # the next step's id dist ahead, on a side stream; bitwise equal) or "prioritized"
     # (DESIGN.md 2.2: only collision rows on the critical path; bitwise equal)
-    mode: Literal["vanilla", "prioritized"] = "vanilla"
+    mode: Literal["vanilla", "sdd", "prioritized"] = "vanilla"
     max_collision_rate: float = 0.9  # prioritized guardrail (occurrence share)
+    # per-stage timing: "sync" synchronises the device at every stage boundary (exact
+    # stage times, but no overlap across stages); "events" records CUDA events instead
+    # and reads them one step later (no host sync on the compute stream for timing; the
+    # mode for throughput measurements). Identical numerics either way.
+    timing: Literal["sync", "events"] = "sync"
+    # profile the last `profile_steps` steps (excluded from QPS) with torch.profiler and
+    # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
+    profile_steps: int = 0
+    trace_dir: str | None = None  # also keep each rank's Chrome trace (Perfetto) here
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError("steps must be >= 0")
+        if self.timing not in ("sync", "events"):
+            raise ValueError(f"timing must be 'sync' or 'events', got {self.timing!r}")
+        if self.profile_steps < 0:
+            raise ValueError("profile_steps must be >= 0")
 
 
 def config_to_dict(cfg: object) -> dict:

@@ -10,6 +10,9 @@ and seed), :func:`write_report` (``e2e.json``, ``e2e.md``, ``e2e.png``) and
 Variants (:data:`VARIANTS`):
 
 * ``vanilla``: the TorchRec-equivalent schedule, no balancing;
+* ``vanilla_reordered``: vanilla with every rank's samples in a different (legal) order;
+  its distance to ``vanilla`` is the NE noise floor (``ne_noise_floor``);
+* ``sdd``: vanilla, but the ids of step t+1 are distributed during step t (bitwise equal);
 * ``prioritized``: prioritized embedding updates (DESIGN.md 2.2; bitwise equal to
   vanilla, tier 1);
 * ``balance_fbs``: vanilla schedule + sequence load balancing with FBS (tier 2);
@@ -18,11 +21,16 @@ Variants (:data:`VARIANTS`):
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
 activity counters (prioritized steps, collision / exclusive / deferred rows, samples
-moved by the balancer) and a step-time breakdown (data, embedding, dense, optimizer,
-metrics; ms per step on rank 0). The headline compares ``freescale`` with ``vanilla``:
-``qps_ratio`` and ``ne_rel_diff``. Not yet measured here (no profiler trace): bubble
-and exposed-communication time, the noise floor and scaling efficiency; the JSON lists
-them under ``not_measured``.
+moved by the balancer), a step-time breakdown (data, embedding, dense, optimizer,
+metrics; ms per step on rank 0) and, when the last steps were profiled
+(``profile_steps``; on by default on GPUs), the GPU accounting of
+:mod:`~freescale.pipeline.accounting` (compute, bubble, exposed communication per step).
+The headline compares ``freescale`` with ``vanilla``: ``qps_ratio``, ``ne_rel_diff``,
+``ne_noise_floor``, ``bubble_reduction`` and ``exposed_comm_reduction`` (1 - freescale /
+vanilla), and ``scaling_efficiency`` when a one-GPU report is given (``--baseline``:
+per-GPU QPS here over per-GPU QPS there, per variant). What was not measured is listed
+under ``not_measured``. On GPUs the trainers run with ``timing="events"`` (no host sync
+per stage), on CPU with the default.
 """
 
 from __future__ import annotations
@@ -46,21 +54,31 @@ from .trainer import Trainer, TrainerHook
 
 __all__ = ["VARIANTS", "run_e2e", "write_report", "bench_rank", "bench_e2e_main"]
 
-VARIANTS = ("vanilla", "prioritized", "balance_fbs", "freescale")
+VARIANTS = ("vanilla", "vanilla_reordered", "sdd", "prioritized", "balance_fbs", "freescale")
 # variant -> (embedding schedule, balancing partitioner or None)
 _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla": ("vanilla", None),
+    "vanilla_reordered": ("vanilla", None),
+    "sdd": ("sdd", None),
     "prioritized": ("prioritized", None),
     "balance_fbs": ("vanilla", "fbs"),
     "freescale": ("prioritized", "fbs"),
 }
 BREAKDOWN = ("data", "embedding", "dense", "optimizer", "metrics")
-_NOT_MEASURED = [
-    "bubble_reduction",
-    "exposed_comm_reduction",
-    "ne_noise_floor",
-    "scaling_efficiency",
-]
+
+
+class _Reorder(TrainerHook):
+    """A legal reordering: every rank trains its samples in a permuted order (fixed by
+    seed, step and rank). Changes only summation orders: the NE noise floor."""
+
+    def on_batch(self, trainer: Trainer, step: int, batch: Any) -> Any:
+        n = batch.batch_size
+        if n < 2:
+            return batch
+        g = torch.Generator().manual_seed(1_000_003 * step + 7919 * trainer.rank + 17)
+        out = batch.select(torch.randperm(n, generator=g).to(batch.device))
+        out.extras = batch.extras
+        return out
 
 
 class _StepRecorder(TrainerHook):
@@ -119,6 +137,8 @@ def run_variant(
 
         balance = BalanceHook(BalanceConfig(partitioner=partitioner))
         hooks.append(balance)
+    if variant == "vanilla_reordered":
+        hooks.append(_Reorder())
     hooks.append(rec)
     tr = Trainer(cfg, hooks=hooks, ctx=ctx)
     if tr.world_size != world or tr.rank != rank:
@@ -166,8 +186,11 @@ def run_variant(
         "stage_ms": stage_ms,
         "ne_curve": curve,
         "activity": activity,
+        "gpu_accounting": summary.get("gpu_accounting"),
         "per_step": rec.steps,
-        "summary": {k: v for k, v in summary.items() if k not in ("stage_ms", "balance")},
+        "summary": {
+            k: v for k, v in summary.items() if k not in ("stage_ms", "balance", "gpu_accounting")
+        },
     }
 
 
@@ -223,13 +246,24 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else float("nan")
 
 
-def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """freescale (and every other variant) against vanilla."""
+def _acct(row: dict[str, Any], key: str) -> float | None:
+    a = row.get("gpu_accounting") or {}
+    return float(a[key]) if a.get("available") and key in a else None
+
+
+def headline(
+    rows: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """freescale (and every other variant) against vanilla; and what was not measured.
+
+    ``baseline``: a one-GPU report of the same workload (per-rank batch) for the
+    scaling efficiency (per-GPU QPS here / per-GPU QPS there, per variant)."""
     by = {r["variant"]: r for r in rows}
     van = by.get("vanilla")
     out: dict[str, Any] = {}
+    missing: list[str] = []
     if van is None:
-        return out
+        return out, ["everything: no vanilla row"]
     for name, r in by.items():
         if name == "vanilla":
             continue
@@ -237,11 +271,46 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"qps_ratio{key}"] = r["qps"] / van["qps"] if van["qps"] else float("nan")
         out[f"ne_rel_diff{key}"] = _rel(r["eval_ne"], van["eval_ne"])
         out[f"step_ms_ratio{key}"] = r["step_ms"] / van["step_ms"] if van["step_ms"] else None
+        for what in ("bubble", "exposed_comm"):
+            a, b = _acct(r, f"{what}_ms"), _acct(van, f"{what}_ms")
+            if a is not None and b:
+                out[f"{what}_reduction{key}"] = 1.0 - a / b
+    for what in ("bubble", "exposed_comm"):
+        v = _acct(van, f"{what}_ms")
+        if v is not None:
+            out[f"vanilla_{what}_ms"] = v
+        if "freescale" in by:
+            f = _acct(by["freescale"], f"{what}_ms")
+            if f is not None:
+                out[f"freescale_{what}_ms"] = f
     if "freescale" in by:
         fs = by["freescale"]
         out["straggler_share_vanilla"] = van["straggler_share_median"]
         out["straggler_share_freescale"] = fs["straggler_share_median"]
-    return out
+        if "bubble_reduction" not in out:
+            missing += ["bubble_reduction", "exposed_comm_reduction"]
+    if "vanilla_reordered" in by:
+        out["ne_noise_floor"] = out.pop("ne_rel_diff_vanilla_reordered")
+        if "ne_rel_diff" in out:
+            out["ne_within_noise_floor"] = bool(out["ne_rel_diff"] <= out["ne_noise_floor"])
+    else:
+        missing.append("ne_noise_floor")
+    if baseline is not None:
+        bw = int(baseline.get("world_size") or 1)
+        base = {r["variant"]: r for r in baseline.get("rows", [])}
+        w = int(rows[0]["summary"].get("world_size", 1)) if rows else 1
+        eff = {
+            name: (r["qps"] / w) / (base[name]["qps"] / bw)
+            for name, r in by.items()
+            if name in base and base[name].get("qps")
+        }
+        out["scaling_efficiency_by_variant"] = eff
+        if "freescale" in eff:
+            out["scaling_efficiency"] = eff["freescale"]
+        out["scaling_baseline_world_size"] = bw
+    else:
+        missing.append("scaling_efficiency")
+    return out, missing
 
 
 def _jsonable(x: Any) -> Any:
@@ -264,7 +333,13 @@ def _markdown(report: dict[str, Any]) -> str:
         ("straggler_share_median", "{:.3f}"),
     ]
     acts = ("prioritized_steps", "collision_rows", "deferred_rows", "samples_moved")
-    head = [c for c, _ in cols] + [f"ms {b}" for b in BREAKDOWN] + list(acts)
+    gpu = ("compute_ms", "bubble_ms", "exposed_comm_ms")
+    head = (
+        [c for c, _ in cols]
+        + [f"ms {b}" for b in BREAKDOWN]
+        + [f"GPU {g}" for g in gpu]
+        + list(acts)
+    )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
         "",
@@ -279,11 +354,19 @@ def _markdown(report: dict[str, Any]) -> str:
             v = r.get(c)
             cells.append("n/a" if v is None else fmt.format(v))
         cells += [f"{r['breakdown_ms'].get(b, 0.0):.2f}" for b in BREAKDOWN]
+        cells += [("n/a" if _acct(r, g) is None else f"{_acct(r, g):.2f}") for g in gpu]
         cells += [str(r["activity"].get(a, 0)) for a in acts]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Headline (freescale vs vanilla):", ""]
     for k, v in report["headline"].items():
         lines.append(f"- `{k}`: {v}")
+    if report.get("not_measured"):
+        lines += ["", "Not measured here: " + ", ".join(report["not_measured"])]
+    lines += [
+        "",
+        "GPU columns: per step over the profiled last steps, mean over ranks "
+        "(freescale.pipeline.accounting).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -321,12 +404,17 @@ def _plot(report: dict[str, Any], path: str) -> str | None:
 
 
 def write_report(
-    result: dict[str, Any], out_dir: str, command: str | None = None
+    result: dict[str, Any],
+    out_dir: str,
+    command: str | None = None,
+    baseline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``e2e.json``, ``e2e.md`` and ``e2e.png`` (if matplotlib imports) under
-    ``out_dir``; returns the JSON report."""
+    ``out_dir``; returns the JSON report. ``baseline``: a one-GPU ``e2e.json`` (loaded)
+    for the scaling efficiency."""
     os.makedirs(out_dir, exist_ok=True)
     rows = result["rows"]
+    head, missing = headline(rows, baseline)
     report: dict[str, Any] = {
         "figure": "e2e",
         "device": result.get("device"),
@@ -336,8 +424,8 @@ def write_report(
         "command": command or result.get("command") or " ".join(sys.argv),
         "variants": [r["variant"] for r in rows],
         "rows": rows,
-        "headline": headline(rows),
-        "not_measured": list(_NOT_MEASURED),
+        "headline": head,
+        "not_measured": missing,
         "config": result.get("config"),
         "notes": [],
     }
@@ -353,9 +441,36 @@ def write_report(
     return report
 
 
+def merge_results(earlier: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """Rows of an earlier report (same config, device and world size) followed by this
+    run's rows; a variant run again replaces its earlier row. For sweeps split over
+    several launches (e.g. a per-call time limit)."""
+    cfg = json.loads(json.dumps(_jsonable(result["config"]), default=str))
+    if earlier.get("config") != cfg:
+        diff = sorted(
+            k for k in set(cfg) | set(earlier.get("config") or {})
+            if cfg.get(k) != (earlier.get("config") or {}).get(k)
+        )  # fmt: skip
+        raise ValueError(f"--merge: the earlier report has a different config ({diff})")
+    if earlier.get("world_size") != result["world_size"]:
+        raise ValueError(
+            f"--merge: earlier report has {earlier.get('world_size')} ranks, this run "
+            f"{result['world_size']}"
+        )
+    new = {r["variant"] for r in result["rows"]}
+    rows = [r for r in earlier.get("rows", []) if r["variant"] not in new] + result["rows"]
+    return {**result, "rows": rows}
+
+
 # ----------------------------------------------------------------------------- CLI
 def bench_rank(
-    cfg_dict: dict[str, Any], variants: list[str], out_dir: str, timeout: float, command: str
+    cfg_dict: dict[str, Any],
+    variants: list[str],
+    out_dir: str,
+    timeout: float,
+    command: str,
+    baseline: dict[str, Any] | None = None,
+    merge: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Entry point of one rank (module level so the launcher can pickle it); rank 0
     writes the report and returns its headline."""
@@ -367,7 +482,10 @@ def bench_rank(
     try:
         result = run_e2e(ctx.rank, ctx.world_size, cfg, variants, ctx=ctx)
         if ctx.rank == 0:
-            report = write_report(result, out_dir, command=command)
+            if merge is not None:
+                result = merge_results(merge, result)
+                command = f"{merge.get('command')} ; {command}"
+            report = write_report(result, out_dir, command=command, baseline=baseline)
             print(_markdown(report), flush=True)
             return report["headline"]
         return None
@@ -387,7 +505,24 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     _add_train_flags(p)
     p.add_argument("--out", required=True, help="report folder (e2e.json, e2e.md, e2e.png)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a one-GPU e2e.json of the same workload: adds scaling_efficiency",
+    )
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier e2e.json of the same config: its rows join this report's",
+    )
     args = p.parse_args(argv)
+    baseline = merge = None
+    if args.baseline:
+        with open(args.baseline) as f:
+            baseline = json.load(f)
+    if args.merge:
+        with open(args.merge) as f:
+            merge = json.load(f)
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.nproc is None:
@@ -398,9 +533,14 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
         )
     args.no_progress = True
     cfg = build_train_config(args, gpu)
+    given = {a.split("=")[0] for a in argv}
+    if gpu and "--timing" not in given:
+        cfg.timing = "events"  # no host sync per stage: what a user's run would do
+    if "--profile-steps" not in given:
+        cfg.profile_steps = min(20, max(args.steps // 10, 1)) if gpu else 2
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     command = "freescale bench e2e " + " ".join(argv)
-    rank_args = (cfg_dict, list(args.variants), args.out, args.timeout, command)
+    rank_args = (cfg_dict, list(args.variants), args.out, args.timeout, command, baseline, merge)
     if not (in_torchrun or args.nproc == 1):
         print(
             f"freescale bench e2e: {len(args.variants)} variants x {args.steps} steps on "

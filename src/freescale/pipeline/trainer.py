@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
 
 from ..comm.base import Communicator
 from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tables
@@ -124,7 +125,11 @@ class Trainer:
         # separate groups: embedding exchange, metadata; DDP keeps the default group
         if self.world_size > 1:
             self.emb_comm = Communicator(dist.new_group(), name="embedding")
-            self.meta_comm = Communicator(dist.new_group(), name="meta")
+            # small host metadata (input agreement, stage times, losses, eval merges):
+            # gloo on CPU tensors even under NCCL, so reading it back never waits for
+            # the compute stream
+            meta_backend = "gloo" if self.ctx.backend == "nccl" else None
+            self.meta_comm = Communicator(dist.new_group(backend=meta_backend), name="meta")
         else:
             self.emb_comm = Communicator(None, name="embedding")
             self.meta_comm = Communicator(None, name="meta")
@@ -137,7 +142,7 @@ class Trainer:
             device=self.device,
             dtype=self.dtype,
             seed=cfg.seed,
-            timing=True,
+            timing=cfg.timing == "sync",
             **opts,
         )
         torch.manual_seed(cfg.seed)
@@ -157,17 +162,24 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.eval_history: list[dict[str, Any]] = []
         self._log_file = None
+        self._marks: _Marks | None = None  # the current step's marks (events timing)
         if cfg.log_path and self.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.log_path)), exist_ok=True)
             self._log_file = open(cfg.log_path, "a")  # noqa: SIM115
 
     # ------------------------------------------------------------- helpers
+    @property
+    def events_timing(self) -> bool:
+        """Stage times from CUDA events read a step later (``cfg.timing == "events"``)."""
+        return self.cfg.timing == "events"
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def _now(self) -> float:
-        self._sync()
+        if not self.events_timing:
+            self._sync()
         return time.perf_counter()
 
     def log(self, record: dict[str, Any]) -> None:
@@ -258,13 +270,20 @@ class Trainer:
             emb = self.sparse(self.features_of(batch), next_features=nxt)
         else:
             emb = self.sparse(self.features_of(batch))
+        marks = self._marks
+        if marks is not None:  # events timing: dense time = these marks' intervals
+            marks("emb_fwd")
+            emb = {k: _BackwardMark.apply(v, marks, f"dense_bwd.{k}") for k, v in emb.items()}
         lengths = batch.uih_lengths[self.uih_keys[0]]
-        return self.dense_ddp(
+        logits = self.dense_ddp(
             {k: emb[k] for k in self.uih_keys},
             lengths,
             emb[CANDIDATE_FEATURE],
             batch.num_candidates,
         )
+        if marks is not None:
+            marks("dense_fwd")
+        return logits
 
     def dense_lr(self, step: int) -> float:
         return self.cfg.dense_lr
@@ -318,41 +337,59 @@ class Trainer:
         self.dense_ddp.train()
         self.sparse.train()
 
-        t0 = self._now()
-        logits = self.forward(batch, next_batch)
-        gc = batch.extras["global_candidates"]
-        loss_sum = sum_bce_loss(logits, batch.labels)
-        loss = loss_sum / max(gc, 1.0)
-        times.add("forward", self._now() - t0)
-        for h in self.hooks:
-            h.after_forward(self, t, loss)
+        marks = self._marks = _Marks(self.device) if self.events_timing else None
+        try:
+            if marks is not None:
+                marks("fwd_start")
+            t0 = self._now()
+            with record_function("freescale/forward"):
+                logits = self.forward(batch, next_batch)
+                gc = batch.extras["global_candidates"]
+                loss_sum = sum_bce_loss(logits, batch.labels)
+                loss = loss_sum / max(gc, 1.0)
+            times.add("forward", self._now() - t0)
+            for h in self.hooks:
+                h.after_forward(self, t, loss)
 
-        t0 = self._now()
-        loss.backward()
-        times.add("backward", self._now() - t0)
-        for h in self.hooks:
-            h.after_backward(self, t)
+            if marks is not None:
+                marks("bwd_start")
+            t0 = self._now()
+            with record_function("freescale/backward"):
+                loss.backward()
+            times.add("backward", self._now() - t0)
+            for h in self.hooks:
+                h.after_backward(self, t)
 
-        t0 = self._now()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        times.add("optimizer", self._now() - t0)
+            if marks is not None:
+                marks("opt_start")
+            t0 = self._now()
+            with record_function("freescale/optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            times.add("optimizer", self._now() - t0)
+            if marks is not None:
+                marks("opt_end")
+        finally:
+            self._marks = None
         for h in self.hooks:
             h.after_optimizer(self, t)
         self.step = t
 
-        st = self.sparse.stats.times
-        times.values.update({f"emb.{k}": v for k, v in st.items()})
-        fkeys = getattr(self.sparse, "forward_time_keys", ("id_dist", "lookup", "emb_a2a"))
-        bkeys = getattr(self.sparse, "backward_time_keys", ("grad_a2a", "sparse_update"))
-        fwd_sparse = sum(st.get(k, 0.0) for k in fkeys)
-        bwd_sparse = sum(st.get(k, 0.0) for k in bkeys)
-        times.add(
-            "dense", times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse
-        )
+        if marks is None:
+            st = self.sparse.stats.times
+            times.values.update({f"emb.{k}": v for k, v in st.items()})
+            fkeys = getattr(self.sparse, "forward_time_keys", ("id_dist", "lookup", "emb_a2a"))
+            bkeys = getattr(self.sparse, "backward_time_keys", ("grad_a2a", "sparse_update"))
+            fwd_sparse = sum(st.get(k, 0.0) for k in fkeys)
+            bwd_sparse = sum(st.get(k, 0.0) for k in bkeys)
+            times.add(
+                "dense",
+                times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse,
+            )
         return {
             "step": t,
-            "loss_sum": float(loss_sum.detach()),
+            "loss_sum": loss_sum.detach() if marks is not None else float(loss_sum.detach()),
+            "_marks": marks,
             "global_candidates": gc,
             "samples": batch.batch_size,
             "candidates": float(batch.num_candidates.sum()),
@@ -414,7 +451,11 @@ class Trainer:
         return [dict(zip(keys, o.cpu().tolist())) for o in out]
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
-        """Run ``steps`` more steps (default ``cfg.steps``), evaluate, return the summary."""
+        """Run ``steps`` more steps (default ``cfg.steps``), evaluate, return the summary.
+
+        With ``cfg.timing == "events"`` a step's record (times, straggler share, hooks'
+        ``on_metrics``, log) is finished while the next step is already queued on the
+        device; evaluation points and the last step are finished at once."""
         cfg = self.cfg
         steps = cfg.steps if steps is None else steps
         for h in self.hooks:
@@ -428,88 +469,79 @@ class Trainer:
                 bar = tqdm(total=steps, desc="train", file=sys.stdout, dynamic_ncols=True)
             except ImportError:  # pragma: no cover
                 bar = None
-        stage_sum: dict[str, float] = defaultdict(float)
-        straggler: list[float] = []
         warmup = min(5, steps // 10)
         first, last = self.step + 1, self.step + steps
-        timed_steps, samples = 0, 0
+        # profiled window: the last profile_steps steps, after warm-up, excluded from QPS
+        prof_steps = min(cfg.profile_steps, max(0, steps - warmup - 1))
+        prof_first = last - prof_steps + 1 if prof_steps > 0 else None
+        acc = _LoopAccumulator(first + warmup, (prof_first or last + 1) - 1)
         t_start: float | None = None
-        loss_acc, cand_acc = 0.0, 0.0
+        t_stop: float | None = None
+        profiler = None
         loader = self._loader(first, steps)
         ahead: JaggedBatch | None = None
         begun: deque[tuple[int, JaggedBatch, Any]] = deque()
+        pending: dict[str, Any] | None = None
         try:
             for t in range(first, last + 1):
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
+                if prof_first is not None and t == prof_first:
+                    if pending is not None:
+                        self._finish_step(pending, acc, bar, last)
+                        pending = None
+                    self._sync()
+                    t_stop = time.perf_counter()
+                    profiler = _start_profiler(self.device)
+                marks = _Marks(self.device) if self.events_timing else None
+                if marks is not None:
+                    marks("step_start")
                 t0 = self._now()
                 # lookahead: batch t+1 is loaded, agreed on and balanced before step t
                 # trains (prioritized updates read its ids during step t); batch t+2 is
                 # loaded and its balancing metadata is in flight while step t computes
-                if ahead is None:  # first step of this call
-                    begun.append(self._begin(loader, t))
-                    if t < last:
-                        begun.append(self._begin(loader, t + 1))
-                    ahead = self._end(begun.popleft())
-                batch = ahead
-                ahead = self._end(begun.popleft()) if t < last else None
-                if t + 2 <= last:
-                    begun.append(self._begin(loader, t + 2))
+                with record_function("freescale/data"):
+                    if ahead is None:  # first step of this call
+                        begun.append(self._begin(loader, t))
+                        if t < last:
+                            begun.append(self._begin(loader, t + 1))
+                        ahead = self._end(begun.popleft())
+                    batch = ahead
+                    ahead = self._end(begun.popleft()) if t < last else None
+                    if t + 2 <= last:
+                        begun.append(self._begin(loader, t + 2))
                 t_data = self._now() - t0
                 rec = self.train_step(batch, ahead)
                 rec["times"]["data"] = t_data
-                t0 = self._now()
-                loss_acc += rec["loss_sum"]
-                cand_acc += rec["candidates"]
-                all_times = self._gather_times(rec["times"])
-                dense = [a.get("dense", 0.0) for a in all_times]
-                share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
-                rec["straggler_share"] = share
-                rec["dense_ms_per_rank"] = [1e3 * d for d in dense]
-                rec["times"]["metrics"] = self._now() - t0
-                if t >= first + warmup:
-                    timed_steps += 1
-                    samples += cfg.data.global_batch_size
-                    straggler.append(share)
-                    for k, v in rec["times"].items():
-                        stage_sum[k] += v
-                for h in self.hooks:
-                    h.on_metrics(self, t, rec)
-                if t % cfg.log_every == 0 or t == last:
-                    tot = torch.tensor([loss_acc, cand_acc], dtype=torch.float64)
-                    if self.world_size > 1:
-                        tot = (
-                            self.meta_comm.all_reduce(tot.to(self.meta_comm.device), name="loss")
-                            .wait()
-                            .cpu()
-                        )
-                    rec["train_logloss"] = float(tot[0] / max(float(tot[1]), 1.0))
-                    loss_acc, cand_acc = 0.0, 0.0
-                    self.log({"kind": "train", **rec})
-                    if bar is not None:
-                        bar.set_postfix(logloss=f"{rec['train_logloss']:.4f}")
-                if cfg.eval_every and t % cfg.eval_every == 0 and t != last:
-                    ev = self.evaluate()
-                    ev["step"] = t
-                    self.eval_history.append(ev)
-                    self.log({"kind": "eval", **ev})
-                    if show:
-                        _print(
-                            bar,
-                            f"step {t}: eval NE {ev['eval_ne']:.4f} "
-                            f"(oracle {ev['oracle_ne']:.4f}), AUC {ev['eval_auc']:.4f}",
-                        )
-                if bar is not None:
-                    bar.update(1)
+                if marks is not None:
+                    rec["_step_marks"] = marks
+                if not self.events_timing:
+                    self._finish_step(rec, acc, bar, last)
+                    continue
+                if pending is not None:  # step t is queued: finish step t-1
+                    self._finish_step(pending, acc, bar, last)
+                pending = rec
+                eval_now = cfg.eval_every and t % cfg.eval_every == 0 and t != last
+                if eval_now or t == last or t + 1 == prof_first:
+                    self._finish_step(pending, acc, bar, last)
+                    pending = None
         except BaseException:
+            if profiler is not None:
+                profiler.stop()
             self.flush()  # deferred updates are applied before the error propagates
             raise
         finally:
             loader.close()
         self.flush()
         self._sync()
-        wall = time.perf_counter() - t_start if t_start is not None else 0.0
+        if t_stop is None:
+            t_stop = time.perf_counter()
+        wall = t_stop - t_start if t_start is not None else 0.0
+        accounting = None
+        if profiler is not None:
+            profiler.stop()
+            accounting = self._accounting(profiler, prof_steps)
         if bar is not None:
             bar.close()
         ev = self.evaluate() if steps > 0 else {}
@@ -517,21 +549,24 @@ class Trainer:
             ev["step"] = self.step
             self.eval_history.append(ev)
             self.log({"kind": "eval", **ev})
-        mean_times = {k: v / max(timed_steps, 1) for k, v in stage_sum.items()}
+        mean_times = {k: v / max(acc.timed_steps, 1) for k, v in acc.stage_sum.items()}
         summary: dict[str, Any] = {
             "steps": self.step,
             "world_size": self.world_size,
             "device": str(self.device),
             "backend": self.ctx.backend,
             "config_hash": self.config_hash,
-            "qps": samples / wall if wall > 0 else float("nan"),
-            "timed_steps": timed_steps,
+            "timing": cfg.timing,
+            "qps": acc.samples / wall if wall > 0 else float("nan"),
+            "timed_steps": acc.timed_steps,
             "stage_ms": {k: 1e3 * v for k, v in sorted(mean_times.items())},
-            "straggler_share_median": _median(straggler),
+            "straggler_share_median": _median(acc.straggler),
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             **ev,
         }
+        if accounting is not None:
+            summary["gpu_accounting"] = accounting
         if ev and not math.isnan(ev.get("oracle_ne", float("nan"))):
             gap = 1.0 - ev["oracle_ne"]
             summary["ne_gap_closed"] = (1.0 - ev["eval_ne"]) / gap if gap > 0 else float("nan")
@@ -539,6 +574,107 @@ class Trainer:
         for h in self.hooks:
             h.on_train_end(self, summary)
         return summary
+
+    def _finish_step(self, rec: dict[str, Any], acc: _LoopAccumulator, bar: Any, last: int) -> None:
+        """Per-step bookkeeping after the step's work is queued: resolve event times,
+        all-gather stage times (straggler share), hooks' ``on_metrics``, log, eval."""
+        cfg = self.cfg
+        t = rec["step"]
+        t0 = time.perf_counter()
+        step_marks: _Marks | None = rec.pop("_step_marks", None)
+        marks: _Marks | None = rec.pop("_marks", None)
+        if marks is not None:
+            marks.synchronize()
+            rec["times"].update(marks.stage_times(step_marks))
+        if isinstance(rec["loss_sum"], torch.Tensor):
+            rec["loss_sum"] = float(rec["loss_sum"])
+        acc.loss += rec["loss_sum"]
+        acc.cands += rec["candidates"]
+        all_times = self._gather_times(rec["times"])
+        dense = [a.get("dense", 0.0) for a in all_times]
+        share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
+        rec["straggler_share"] = share
+        rec["dense_ms_per_rank"] = [1e3 * d for d in dense]
+        rec["times"]["metrics"] = time.perf_counter() - t0
+        if acc.first_timed <= t <= acc.last_timed:
+            acc.timed_steps += 1
+            acc.samples += cfg.data.global_batch_size
+            acc.straggler.append(share)
+            for k, v in rec["times"].items():
+                acc.stage_sum[k] += v
+        for h in self.hooks:
+            h.on_metrics(self, t, rec)
+        if t % cfg.log_every == 0 or t == last:
+            tot = torch.tensor([acc.loss, acc.cands], dtype=torch.float64)
+            if self.world_size > 1:
+                tot = (
+                    self.meta_comm.all_reduce(tot.to(self.meta_comm.device), name="loss")
+                    .wait()
+                    .cpu()
+                )
+            rec["train_logloss"] = float(tot[0] / max(float(tot[1]), 1.0))
+            acc.loss, acc.cands = 0.0, 0.0
+            self.log({"kind": "train", **rec})
+            if bar is not None:
+                bar.set_postfix(logloss=f"{rec['train_logloss']:.4f}")
+        if cfg.eval_every and t % cfg.eval_every == 0 and t != last:
+            ev = self.evaluate()
+            ev["step"] = t
+            self.eval_history.append(ev)
+            self.log({"kind": "eval", **ev})
+            if cfg.progress and self.rank == 0:
+                _print(
+                    bar,
+                    f"step {t}: eval NE {ev['eval_ne']:.4f} "
+                    f"(oracle {ev['oracle_ne']:.4f}), AUC {ev['eval_auc']:.4f}",
+                )
+        if bar is not None:
+            bar.update(1)
+
+    def _accounting(self, profiler: Any, steps: int) -> dict[str, Any]:
+        """GPU accounting of the profiled window on every rank (all-gathered), and the
+        Chrome traces kept under ``cfg.trace_dir`` when set."""
+        import tempfile
+
+        from .accounting import ACCOUNTING_KEYS, gpu_accounting, merge_ranks
+
+        keep = self.cfg.trace_dir
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            path = os.path.join(keep, f"trace_rank{self.rank}.json")
+        else:
+            fd, path = tempfile.mkstemp(suffix=".json", prefix="freescale-trace-")
+            os.close(fd)
+        try:
+            profiler.export_chrome_trace(path)
+            mine = gpu_accounting(path, steps)
+        except Exception as e:  # noqa: BLE001 - accounting must not end a training run
+            mine = {"available": False, "reason": f"trace export/parse failed: {e}"}
+        finally:
+            if not keep and os.path.exists(path):
+                os.remove(path)
+        vec = torch.tensor(
+            [1.0 if mine.get("available") else 0.0]
+            + [float(mine.get(k, 0.0)) for k in ACCOUNTING_KEYS],
+            dtype=torch.float64,
+        )
+        if self.world_size > 1:
+            parts = self.meta_comm.all_gather(vec.to(self.meta_comm.device), name="acct").wait()
+            rows = [p.cpu().tolist() for p in parts]
+        else:
+            rows = [vec.tolist()]
+        per_rank = [
+            {"available": bool(r[0]), **dict(zip(ACCOUNTING_KEYS, r[1:]))}
+            if r[0]
+            else {"available": False, "reason": mine.get("reason", "no GPU activity")}
+            for r in rows
+        ]
+        out = merge_ranks(per_rank)
+        out["per_rank"] = per_rank
+        out["profiled_steps"] = steps
+        if keep:
+            out["trace_dir"] = keep
+        return out
 
     def close(self) -> None:
         if self._log_file is not None:
@@ -582,3 +718,90 @@ def _fit_table_sizes(tables: list, source: Any) -> None:
 
 def summary_to_json(summary: dict[str, Any], cfg: TrainConfig) -> str:
     return json.dumps({"summary": summary, "config": config_to_dict(cfg)}, indent=2, default=float)
+
+
+@dataclass
+class _LoopAccumulator:
+    """Running sums of one ``train()`` call (timed steps: ``first_timed..last_timed``)."""
+
+    first_timed: int
+    last_timed: int
+    timed_steps: int = 0
+    samples: int = 0
+    loss: float = 0.0
+    cands: float = 0.0
+    straggler: list[float] = field(default_factory=list)
+    stage_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+class _Marks:
+    """Named timestamps of one step on the compute stream: CUDA events on a GPU, host
+    clocks on CPU (where work is synchronous). Read only after :meth:`synchronize`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.t[name] = e
+        else:
+            self.t[name] = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            for e in self.t.values():
+                e.synchronize()
+
+    def seconds(self, a: str, b: str) -> float:
+        if self.cuda:
+            return self.t[a].elapsed_time(self.t[b]) / 1e3
+        return self.t[b] - self.t[a]
+
+    def stage_times(self, step: _Marks | None) -> dict[str, float]:
+        """forward / backward / optimizer / dense (and data, from the step's own marks)."""
+        out = {
+            "forward": self.seconds("fwd_start", "bwd_start"),
+            "backward": self.seconds("bwd_start", "opt_start"),
+            "optimizer": self.seconds("opt_start", "opt_end"),
+        }
+        bwd_marks = [k for k in self.t if k.startswith("dense_bwd.")]
+        if "emb_fwd" in self.t and "dense_fwd" in self.t:
+            dense = self.seconds("emb_fwd", "dense_fwd")
+            if bwd_marks:
+                dense += max(self.seconds("bwd_start", k) for k in bwd_marks)
+            out["dense"] = dense
+        if step is not None and "step_start" in step.t:
+            step.synchronize()
+            if self.cuda:
+                out["data"] = step.t["step_start"].elapsed_time(self.t["fwd_start"]) / 1e3
+            else:
+                out["data"] = self.t["fwd_start"] - step.t["step_start"]
+        return out
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity; its backward records a mark (the dense backward reached this input)."""
+
+    @staticmethod
+    def forward(ctx, x, marks, name):  # noqa: ANN001, D102
+        ctx.marks, ctx.name = marks, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, D102
+        ctx.marks(ctx.name)
+        return grad, None, None
+
+
+def _start_profiler(device: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    prof = profile(activities=acts, record_shapes=False, with_stack=False)
+    prof.start()
+    return prof

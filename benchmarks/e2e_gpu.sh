@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# End-to-end figure on the GPU machine, in phases that each fit one device call.
+#   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
+#   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
+#   bash benchmarks/e2e_gpu.sh ablate  # 2 GPUs: prioritized, balance_fbs (merged into main's)
+# Results land under $OUT (the device tool brings them back); copy e2e.json/md/png into
+# benchmarks/results/. STEPS / BASE_STEPS override the step counts.
+set -u
+: "${OUT:?set OUT}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src
+STEPS=${STEPS:-1000}
+BASE_STEPS=${BASE_STEPS:-300}
+E2E="python -m freescale.cli bench e2e"
+case "${1:-}" in
+smoke)
+  timeout 200 python benchmarks/kill_rank_gpu.py --out "$OUT/kill" > "$OUT/kill_stdout.log" 2>&1
+  echo "kill_rank rc=$?"; grep -E '"passed"|seconds_fault_to_exit|message_source' "$OUT/kill_stdout.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
+    --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
+  echo "1gpu rc=$?"; tail -25 "$OUT/e2e_1gpu.log"
+  timeout 200 $E2E --out "$OUT/e2e_smoke" --nproc 2 --steps 40 --profile-steps 4 \
+    --trace-dir "$OUT/e2e_smoke/traces" > "$OUT/e2e_smoke.log" 2>&1
+  echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
+  ;;
+main)
+  timeout 580 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
+    --variants vanilla vanilla_reordered sdd freescale ${BASELINE:+--baseline "$BASELINE"} \
+    > "$OUT/e2e_main.log" 2>&1
+  echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
+  ;;
+ablate)
+  timeout 580 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs \
+    --merge "${MERGE:?set MERGE to main's e2e.json}" ${BASELINE:+--baseline "$BASELINE"} \
+    > "$OUT/e2e_ablate.log" 2>&1
+  echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
+  ;;
+*) echo "usage: $0 smoke|main|ablate" >&2; exit 2 ;;
+esac

@@ -1,0 +1,82 @@
+"""GPU accounting from a Chrome trace (hand-made traces with known answers), and the
+trainer's ``timing="events"`` / profiling path: identical numerics to ``"sync"``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from freescale.pipeline.accounting import gpu_accounting, interval_union, merge_ranks
+from freescale.pipeline.trainer import Trainer
+from test_trainer import _compare, _state, tiny_config
+
+
+def _k(name: str, ts: float, dur: float, cat: str = "kernel", stream: int = 7) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_interval_union():
+    assert interval_union([(5, 6), (0, 2), (1, 3), (3, 4), (7, 7)]) == [(0, 4), (5, 6)]
+
+
+def test_accounting_known_answer(tmp_path):
+    # 2 steps over [0, 100] us: compute [0,30] + [40,60] (two overlapping kernels on two
+    # streams), NCCL [25,50] (5 us hidden under compute, 10 us exposed: [30,40]), NCCL
+    # [70,80] exposed, an HtoD copy [80,90] (neither), the last compute kernel [90,100]
+    events = [
+        _k("gemm", 0, 30),
+        _k("gemm", 40, 15),
+        _k("softmax", 45, 15, stream=9),
+        _k("ncclDevKernel_AllToAll", 25, 25, stream=20),
+        _k("ncclDevKernel_AllReduce", 70, 10, stream=20),
+        _k("Memcpy HtoD (Pinned -> Device)", 80, 10, cat="gpu_memcpy"),
+        _k("add", 90, 10),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": -50, "dur": 500},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    a = gpu_accounting(str(path), steps=2)
+    assert a["available"]
+    assert a["window_ms"] == pytest.approx(100e-3 / 2)
+    assert a["compute_ms"] == pytest.approx(60e-3 / 2)  # [0,30] [40,60] [90,100]
+    assert a["comm_ms"] == pytest.approx(35e-3 / 2)  # [25,50] [70,80]
+    assert a["bubble_ms"] == pytest.approx(40e-3 / 2)
+    assert a["exposed_comm_ms"] == pytest.approx(20e-3 / 2)  # [30,40] [70,80]
+    assert a["other_idle_ms"] == pytest.approx(20e-3 / 2)  # [60,70] [80,90]
+    m = merge_ranks([a, {**a, "bubble_ms": 3 * a["bubble_ms"]}])
+    assert m["bubble_ms"] == pytest.approx(2 * a["bubble_ms"])
+    assert m["bubble_ms_max"] == pytest.approx(3 * a["bubble_ms"])
+
+
+def test_accounting_without_gpu_activity():
+    a = gpu_accounting({"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5}]}, 3)
+    assert not a["available"] and "no GPU activity" in a["reason"]
+    assert not merge_ranks([a])["available"]
+
+
+def _run(rank, world, cfg):
+    tr = Trainer(cfg)
+    summary = tr.train()
+    return _state(tr), summary
+
+
+def test_events_timing_and_profiling_change_nothing(pool2, tmp_path):
+    """timing="events" defers each step's bookkeeping by one step and profiling wraps
+    the last steps: both must leave training bit for bit as with timing="sync"."""
+    base = tiny_config(steps=8, dtype="float32")
+    base.eval_every = 4
+    ev = dataclasses.replace(base, timing="events", profile_steps=3, trace_dir=str(tmp_path))
+    a = pool2.run(_run, base)
+    b = pool2.run(_run, ev)
+    assert _compare([r[0] for r in a], [r[0] for r in b], 0.0) == 0.0
+    sa, sb = a[0][1], b[0][1]
+    assert sb["timing"] == "events" and sb["eval_ne"] == sa["eval_ne"]
+    # every step's record was finished: stage times of the timed steps are present
+    assert sb["timed_steps"] == 8 - 0 - 3 and {"dense", "forward", "data"} <= set(sb["stage_ms"])
+    acc = sb["gpu_accounting"]  # CPU run: no GPU activity, said so; traces kept
+    assert acc["profiled_steps"] == 3 and not acc["available"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
+    assert torch.isfinite(torch.tensor(sb["straggler_share_median"]))
