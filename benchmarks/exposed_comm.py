@@ -9,8 +9,10 @@ streams have realistic work to overlap with) -> loss ``0.5 * s * sum(y^2)`` -> b
 (stand-in GEMMs, then the embedding backward). Three schedules of the same tables:
 
 * ``vanilla``: :class:`ShardedEmbeddingCollection` (every exchange blocks);
-* ``sdd``: :class:`SddEmbeddingCollection` below: step t+1's ids are dist'ed during step
-  t on a side stream / side process group; lookups, embeddings and gradients still block;
+* ``sdd``: :class:`~freescale.embedding.sdd.SddEmbeddingCollection`: step t+1's ids are
+  dist'ed during step t on a side stream / side process group; lookups, embeddings and
+  gradients still block (``wait_compute=False``: the batches are complete on the device
+  before the loop, so the side stream need not wait for the compute stream);
 * ``prioritized``: :class:`PrioritizedEmbeddingCollection` (DESIGN.md 2.2), guardrail off
   (``max_collision_rate=1``).
 
@@ -82,7 +84,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 from unittest import mock
 
@@ -93,8 +94,9 @@ import torch.distributed as dist
 from freescale.comm.base import Communicator
 from freescale.config import SparseOptimConfig, TableConfig
 from freescale.embedding import collection as collection_mod
-from freescale.embedding.collection import ShardedEmbeddingCollection, _VanillaExchange
+from freescale.embedding.collection import ShardedEmbeddingCollection
 from freescale.embedding.prioritized import PrioritizedEmbeddingCollection
+from freescale.embedding.sdd import SddEmbeddingCollection
 from freescale.pipeline.distributed import init_distributed
 
 Features = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -199,55 +201,6 @@ class _EventWaitPatch:
     def __exit__(self, *exc: object) -> None:
         if self.orig is not None:
             torch.cuda.Stream.wait_event = self.orig  # type: ignore[method-assign]
-
-
-# ------------------------------------------------------------------------------ sdd
-class SddEmbeddingCollection(ShardedEmbeddingCollection):
-    """Vanilla exchange, but step t+1's id dist runs during step t on a side stream and a
-    side process group ("sdd" of DESIGN.md section 3). Lookups, the embedding and the
-    gradient all-to-alls stay blocking; ids do not depend on weights, so it is exact."""
-
-    uses_next_features = True
-
-    def __init__(self, *args: Any, side_comm: Communicator, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.side_comm = side_comm
-        cuda = self.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.device) if cuda else None
-        self._ahead: tuple[Any, Any] | None = None
-
-    def forward(  # type: ignore[override]
-        self, features: Features, next_features: Features | None = None
-    ) -> dict[str, torch.Tensor]:
-        if not (torch.is_grad_enabled() and self.training):
-            self._ahead = None
-            return super().forward(features)
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            st = self.input_dist(features)
-        else:
-            st, ready = ahead
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
-            st = replace(st, step=self._step, lr=self._lr)
-        if next_features is not None:
-            main, self.comm = self.comm, self.side_comm
-            try:
-                if self._side is not None:
-                    with torch.cuda.stream(self._side):
-                        nd = self.input_dist(next_features)
-                        ready = torch.cuda.Event()
-                        ready.record(self._side)
-                    compute = torch.cuda.current_stream(self.device)
-                    for t in (nd.recv_keys, nd.unbucketize):
-                        t.record_stream(compute)
-                else:
-                    nd, ready = self.input_dist(next_features), None
-            finally:
-                self.comm = main
-            self._ahead = (nd, ready)
-        flat = _VanillaExchange.apply(self._anchor, self, st)
-        return dict(zip(self.plan.features, torch.split(flat, st.feature_sizes)))
 
 
 # ------------------------------------------------------------------- dense stand-in
@@ -445,7 +398,12 @@ def build_modules(
         mods: dict[str, ShardedEmbeddingCollection] = {
             "vanilla": ShardedEmbeddingCollection([table], comm("vanilla"), optim, **kw),
             "sdd": SddEmbeddingCollection(
-                [table], comm("sdd"), optim, side_comm=comm("sdd.side"), **kw
+                [table],
+                comm("sdd"),
+                optim,
+                side_comm=comm("sdd.side"),
+                wait_compute=False,  # batches are made and synchronised before the loop
+                **kw,
             ),
             "prioritized": PrioritizedEmbeddingCollection(
                 [table],

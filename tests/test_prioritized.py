@@ -413,6 +413,6 @@ def test_factory():
     p = make_embedding_collection("prioritized", TABLES, comm, opt, max_collision_rate=0.5)
     assert isinstance(p, PrioritizedEmbeddingCollection) and p.max_collision_rate == 0.5
     with pytest.raises(ValueError, match="unknown"):
-        make_embedding_collection("sdd", TABLES, comm, opt)
+        make_embedding_collection("nope", TABLES, comm, opt)
     with pytest.raises(ValueError, match="mutation"):
         PrioritizedEmbeddingCollection(TABLES, comm, opt, _mutation="nope")

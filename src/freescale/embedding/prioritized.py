@@ -105,6 +105,7 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.reference import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist
+from .sdd import SddEmbeddingCollection
 
 __all__ = [
     "PrioritizedEmbeddingCollection",
@@ -837,15 +838,24 @@ def make_embedding_collection(
     **options: Any,
 ) -> ShardedEmbeddingCollection:
     """The embedding collection of a training mode: ``"vanilla"`` (synchronous, TorchRec's
-    schedule) or ``"prioritized"`` (this module; ``options`` go to its constructor)."""
+    schedule), ``"sdd"`` (vanilla with the next step's id dist ahead, embedding/sdd.py;
+    option ``side_comm``) or ``"prioritized"`` (this module; ``options`` go to its
+    constructor)."""
     if kind == "vanilla":
         if options:
             raise ValueError(f"the vanilla collection takes no options, got {sorted(options)}")
         return ShardedEmbeddingCollection(
             tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing
         )
+    if kind == "sdd":
+        extra = sorted(set(options) - {"side_comm"})
+        if extra:
+            raise ValueError(f"the sdd collection takes only side_comm, got {extra}")
+        return SddEmbeddingCollection(
+            tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing, **options
+        )
     if kind == "prioritized":
         return PrioritizedEmbeddingCollection(
             tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing, **options
         )
-    raise ValueError(f"unknown embedding collection kind '{kind}' (vanilla, prioritized)")
+    raise ValueError(f"unknown embedding collection kind '{kind}' (vanilla, sdd, prioritized)")
