@@ -2,15 +2,19 @@
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
-#   bash benchmarks/e2e_gpu.sh ablate  # 2 GPUs: prioritized, balance_fbs (merged into main's)
+#   MERGE=benchmarks/results/e2e_main.json bash benchmarks/e2e_gpu.sh ablate
+#                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
+#                                      # prioritized, balance_fbs merged into the main rows
 # Results land under $OUT (the device tool brings them back); copy e2e.json/md/png into
-# benchmarks/results/. STEPS / BASE_STEPS override the step counts.
+# benchmarks/results/. STEPS / BASE_STEPS override the step counts. Workload: the GPU
+# default of `freescale train` (max UIH 16K, median 1K, 128 samples per rank, dim 128)
+# with 20M items, Zipf s=0.6 (item collision rate between consecutive steps ~9%).
 set -u
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src
 STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
-E2E="python -m freescale.cli bench e2e"
+E2E="python -m freescale.cli bench e2e --num-items 20000000 --zipf-s 0.6"
 case "${1:-}" in
 smoke)
   timeout 200 python benchmarks/kill_rank_gpu.py --out "$OUT/kill" > "$OUT/kill_stdout.log" 2>&1
@@ -23,14 +27,16 @@ smoke)
   echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
   ;;
 main)
-  timeout 580 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
-    --variants vanilla vanilla_reordered sdd freescale ${BASELINE:+--baseline "$BASELINE"} \
-    > "$OUT/e2e_main.log" 2>&1
+  timeout 570 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
+    --variants vanilla vanilla_reordered sdd freescale > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   ;;
 ablate)
-  timeout 580 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs \
-    --merge "${MERGE:?set MERGE to main's e2e.json}" ${BASELINE:+--baseline "$BASELINE"} \
+  CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
+    --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
+  echo "1gpu rc=$?"; tail -22 "$OUT/e2e_1gpu.log"
+  timeout 380 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs \
+    --merge "${MERGE:?set MERGE to the main e2e.json}" --baseline "$OUT/e2e_1gpu/e2e.json" \
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;

@@ -60,6 +60,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--median-uih", type=int, default=None)
     p.add_argument("--length-dist", choices=["lognormal", "powerlaw"], default=None)
     p.add_argument("--num-candidates", type=int, default=None)
+    p.add_argument("--zipf-s", type=float, default=None, help="item popularity exponent")
     p.add_argument("--embedding-dim", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--num-heads", type=int, default=None)
@@ -128,6 +129,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         ("median_uih", "median_uih"),
         ("length_dist", "length_dist"),
         ("num_candidates", "num_candidates"),
+        ("zipf_s", "zipf_s"),
         ("eval_samples", "eval_samples"),
     ]:
         v = getattr(args, flag)

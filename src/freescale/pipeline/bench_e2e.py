@@ -200,12 +200,32 @@ def run_e2e(
     base_cfg: TrainConfig,
     variants: list[str] | tuple[str, ...] = VARIANTS,
     ctx: Any = None,
+    warmup_steps: int = 0,
 ) -> dict[str, Any]:
     """Train every variant on the same config (data, seed) in turn; the rows (every
-    rank; timings are rank-local, numerics identical on every rank)."""
+    rank; timings are rank-local, numerics identical on every rank).
+
+    ``warmup_steps`` > 0: first a discarded vanilla run of that many steps, so that
+    one-time costs (compiling the attention kernels for the token-count buckets, CUDA
+    and NCCL initialisation) are not charged to the first variant."""
     bad = [v for v in variants if v not in _SPEC]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if warmup_steps > 0:
+        wcfg = dataclasses.replace(
+            base_cfg,
+            steps=warmup_steps,
+            eval_every=0,
+            profile_steps=0,
+            trace_dir=None,
+            log_path=None,
+            mode="vanilla",
+        )
+        tr = Trainer(wcfg, ctx=ctx)
+        try:
+            tr.train()
+        finally:
+            tr.close()
     rows = [run_variant(rank, world, base_cfg, v, ctx=ctx) for v in variants]
     device = rows[0]["summary"].get("device", "cpu") if rows else "cpu"
     return {
@@ -471,6 +491,7 @@ def bench_rank(
     command: str,
     baseline: dict[str, Any] | None = None,
     merge: dict[str, Any] | None = None,
+    warmup: int = 0,
 ) -> dict[str, Any] | None:
     """Entry point of one rank (module level so the launcher can pickle it); rank 0
     writes the report and returns its headline."""
@@ -480,7 +501,7 @@ def bench_rank(
     cfg = _cfg_from_dict(cfg_dict)
     ctx = init_distributed(cfg.device, timeout_s=timeout)
     try:
-        result = run_e2e(ctx.rank, ctx.world_size, cfg, variants, ctx=ctx)
+        result = run_e2e(ctx.rank, ctx.world_size, cfg, variants, ctx=ctx, warmup_steps=warmup)
         if ctx.rank == 0:
             if merge is not None:
                 result = merge_results(merge, result)
@@ -509,6 +530,12 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
         "--baseline",
         default=None,
         help="a one-GPU e2e.json of the same workload: adds scaling_efficiency",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="discarded vanilla steps before the variants (default: 30 on GPU, 0 on CPU)",
     )
     p.add_argument(
         "--merge",
@@ -540,7 +567,10 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
         cfg.profile_steps = min(20, max(args.steps // 10, 1)) if gpu else 2
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     command = "freescale bench e2e " + " ".join(argv)
-    rank_args = (cfg_dict, list(args.variants), args.out, args.timeout, command, baseline, merge)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (30 if gpu else 0)
+    rank_args = (
+        cfg_dict, list(args.variants), args.out, args.timeout, command, baseline, merge, warmup
+    )  # fmt: skip
     if not (in_torchrun or args.nproc == 1):
         print(
             f"freescale bench e2e: {len(args.variants)} variants x {args.steps} steps on "
