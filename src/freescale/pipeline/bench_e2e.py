@@ -201,6 +201,7 @@ def run_e2e(
     variants: list[str] | tuple[str, ...] = VARIANTS,
     ctx: Any = None,
     warmup_steps: int = 0,
+    on_row: Any = None,
 ) -> dict[str, Any]:
     """Train every variant on the same config (data, seed) in turn; the rows (every
     rank; timings are rank-local, numerics identical on every rank).
@@ -226,14 +227,22 @@ def run_e2e(
             tr.train()
         finally:
             tr.close()
-    rows = [run_variant(rank, world, base_cfg, v, ctx=ctx) for v in variants]
+    rows: list[dict[str, Any]] = []
+    for v in variants:
+        rows.append(run_variant(rank, world, base_cfg, v, ctx=ctx))
+        if on_row is not None:
+            on_row(_result(rank, world, base_cfg, rows))
+    return _result(rank, world, base_cfg, rows)
+
+
+def _result(rank: int, world: int, cfg: TrainConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     device = rows[0]["summary"].get("device", "cpu") if rows else "cpu"
     return {
         "world_size": world,
         "rank": rank,
         "device": _describe_device(device, rows[0]["summary"].get("backend") if rows else None),
-        "config": dataclasses.asdict(base_cfg),
-        "rows": rows,
+        "config": dataclasses.asdict(cfg),
+        "rows": list(rows),
     }
 
 
@@ -501,12 +510,25 @@ def bench_rank(
     cfg = _cfg_from_dict(cfg_dict)
     ctx = init_distributed(cfg.device, timeout_s=timeout)
     try:
-        result = run_e2e(ctx.rank, ctx.world_size, cfg, variants, ctx=ctx, warmup_steps=warmup)
-        if ctx.rank == 0:
+        cmd = command if merge is None else f"{merge.get('command')} ; {command}"
+
+        def save(result: dict[str, Any]) -> dict[str, Any]:
+            # after every variant, so a run cut short still leaves its finished rows
             if merge is not None:
                 result = merge_results(merge, result)
-                command = f"{merge.get('command')} ; {command}"
-            report = write_report(result, out_dir, command=command, baseline=baseline)
+            return write_report(result, out_dir, command=cmd, baseline=baseline)
+
+        result = run_e2e(
+            ctx.rank,
+            ctx.world_size,
+            cfg,
+            variants,
+            ctx=ctx,
+            warmup_steps=warmup,
+            on_row=save if ctx.rank == 0 else None,
+        )
+        if ctx.rank == 0:
+            report = save(result)
             print(_markdown(report), flush=True)
             return report["headline"]
         return None
