@@ -11,6 +11,7 @@
 # with 1M items, Zipf s=0.6 (item ids of step t+1 seen at step t: ~48% by occurrence; with
 # the 4-row action table, ~74% of all ids collide). 20M items (~9% item collisions) made
 # the synthetic loader the bottleneck on the GPU machine (~230 ms/step): not used.
+# Set FREESCALE_GIT_SHA to the commit being run: the device copy's .git can be stale.
 set -u
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src

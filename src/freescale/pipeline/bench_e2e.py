@@ -256,6 +256,10 @@ def _describe_device(device: str, backend: str | None) -> str:
 
 
 def _git_sha() -> str | None:
+    """``FREESCALE_GIT_SHA`` when set (a copied tree's .git may be stale), else HEAD."""
+    env = os.environ.get("FREESCALE_GIT_SHA")
+    if env:
+        return env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
