@@ -107,6 +107,12 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert not van["gpu_accounting"]["available"]
     assert {"bubble_reduction", "scaling_efficiency"} <= set(report["not_measured"])
     assert van["summary"]["timing"] == "events"
+    # the projection to 64 / 256 ranks is there, labelled, and says it is illustrative
+    proj = on_disk["projection"]
+    assert proj["kind"] == "projection" and "network" in proj and proj["assumptions"]
+    assert {r["world_size"] for r in proj["rows"]} == {2, 64, 256}
+    assert all(r["kind"] == "projection" for r in proj["rows"])
+    assert "illustrative" in proj["note"]
 
     # --- every technique really ran
     for name in ("prioritized", "freescale"):

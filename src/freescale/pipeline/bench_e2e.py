@@ -346,6 +346,108 @@ def headline(
     return out, missing
 
 
+def _dense_param_bytes(report: dict[str, Any]) -> float:
+    """From the rows' summaries, else by building the dense model of the config."""
+    for r in report.get("rows", []):
+        v = (r.get("summary") or {}).get("dense_param_bytes")
+        if v:
+            return float(v)
+    from ..cli import _cfg_from_dict
+    from ..data.synthetic import SyntheticSource
+    from ..models.sequence import SequenceRecModel
+
+    cfg = _cfg_from_dict(report["config"])
+    model = SequenceRecModel(cfg.model, list(SyntheticSource.uih_keys))
+    size = 8 if cfg.model.dtype == "float64" else 4
+    return float(sum(p.numel() for p in model.parameters()) * size)
+
+
+def _other_idle(row: dict[str, Any] | None) -> float | None:
+    a = (row or {}).get("gpu_accounting") or {}
+    return float(a["other_idle_ms"]) if a.get("available") else None
+
+
+def projection_from_report(
+    report: dict[str, Any], world_sizes: tuple[int, ...] = (64, 256)
+) -> dict[str, Any] | None:
+    """Project the measured vanilla and freescale steps of ``report`` to
+    ``world_sizes`` (pipeline/projection.py; docs/projection.md). Inputs, all from the
+    report: the vanilla row's dense time (rank 0, CUDA events), embedding compute (GPU
+    compute minus dense, from the profiler accounting), bytes sent per step, host
+    overhead (the accounting's *other idle*, each schedule its own), the measured
+    exposed communication of both modes; the collision rate of the freescale (or
+    prioritized) row; straggler
+    shares at every W from the simulator on the run's length distribution. None when
+    the report has no vanilla row."""
+    from .projection import (
+        MeasuredCosts,
+        NetworkModel,
+        bytes_per_rank_from_sent,
+        projection_report,
+        straggler_shares_from_simulator,
+    )
+
+    by = {r["variant"]: r for r in report.get("rows", [])}
+    van = by.get("vanilla")
+    if van is None:
+        return None
+    fs = by.get("freescale") or by.get("prioritized")
+    w = int(van["summary"].get("world_size") or report.get("world_size") or 1)
+    data = (report.get("config") or {}).get("data", {})
+    per_rank = max(1, int(data.get("global_batch_size", 128)) // max(w, 1))
+    acct = van.get("gpu_accounting") or {}
+    dense = float(van["breakdown_ms"].get("dense", 0.0))
+    if acct.get("available"):
+        emb_compute = max(0.0, float(acct["compute_ms"]) - dense)
+        host = float(acct["other_idle_ms"])
+    else:
+        emb_compute, host = float(van["breakdown_ms"].get("embedding", 0.0)), 0.0
+    sizes = tuple(sorted({max(w, 2), *world_sizes}))
+    shares = straggler_shares_from_simulator(
+        sizes,
+        batch_size=per_rank,
+        max_uih=int(data.get("max_uih", 16384)),
+        length_dist=str(data.get("length_dist", "lognormal")),
+        median_uih=int(data.get("median_uih", 1024)),
+        sigma=float(data.get("sigma", 1.0)),
+        steps=100,
+    )
+    measured = {}
+    for name, row in (("vanilla", van), ("freescale", fs)):
+        a = (row or {}).get("gpu_accounting") or {}
+        if a.get("available"):
+            measured[name] = float(a["exposed_comm_ms"])
+    coll = (fs or {}).get("activity", {}).get("collision_rate", {}).get("occurrence", 0.0)
+    costs = MeasuredCosts(
+        dense_ms=dense,
+        emb_compute_ms=emb_compute,
+        emb_bytes_per_rank=bytes_per_rank_from_sent(
+            float(van["summary"].get("emb_bytes_sent_per_step", 0.0)), max(w, 2)
+        ),
+        collision_rate=float(coll),
+        dense_param_bytes=_dense_param_bytes(report),
+        host_overhead_ms=host,
+        straggler_vanilla=shares["vanilla"],
+        straggler_freescale=shares["freescale"],
+        local_batch_size=per_rank,
+        measured_world_size=max(w, 2),
+        measured_exposed_comm_ms=measured or None,
+        host_overhead_freescale_ms=_other_idle(fs),
+        source=f"e2e report {report.get('git_sha')} ({report.get('device')})",
+    )
+    out = projection_report(costs, NetworkModel(), sizes)
+    rows = out["rows"]
+    head = {}
+    for W in world_sizes:
+        for r in rows:
+            if r["world_size"] == W and r["schedule"] == "freescale":
+                head[f"projected_qps_ratio_{W}"] = r["freescale_over_vanilla"]
+    out["headline"] = head
+    if not acct.get("available"):
+        out["note"] = "no GPU accounting in the report (CPU run?): illustrative only"
+    return out
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -400,6 +502,23 @@ def _markdown(report: dict[str, Any]) -> str:
         "GPU columns: per step over the profiled last steps, mean over ranks "
         "(freescale.pipeline.accounting).",
     ]
+    proj = report.get("projection")
+    if proj:
+        from .projection import format_table
+
+        net = proj["network"]
+        lines += [
+            "",
+            "## Projection (not a measurement; docs/projection.md)",
+            "",
+            f"Network model: {net}",
+            "",
+            "```",
+            format_table(proj["rows"]),
+            "```",
+        ]
+        if proj.get("note"):
+            lines += ["", proj["note"]]
     return "\n".join(lines) + "\n"
 
 
@@ -462,6 +581,11 @@ def write_report(
         "config": result.get("config"),
         "notes": [],
     }
+    try:
+        report["projection"] = projection_from_report(_jsonable(report))
+    except Exception as e:  # noqa: BLE001 - a projection must not lose the measurements
+        report["projection"] = None
+        report["notes"].append(f"projection failed: {e}")
     note = _plot(report, os.path.join(out_dir, "e2e.png"))
     report["plot"] = None if note else "e2e.png"
     if note:

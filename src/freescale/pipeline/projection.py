@@ -398,6 +398,15 @@ class MeasuredCosts:
     measured_world_size: int = 2
     measured_exposed_comm_ms: dict[str, float] | None = None
     source: str = ""
+    # freescale's own host overhead when measured (its planner and prioritized host
+    # work add to it); None: the same as vanilla's
+    host_overhead_freescale_ms: float | None = None
+
+    def host_ms(self, schedule: str) -> float:
+        """Host overhead of ``schedule`` (freescale's own if measured)."""
+        if schedule == "freescale" and self.host_overhead_freescale_ms is not None:
+            return self.host_overhead_freescale_ms
+        return self.host_overhead_ms
 
     def __post_init__(self) -> None:
         for name in (
@@ -493,7 +502,8 @@ ASSUMPTIONS: tuple[str, ...] = (
     "DDP overlaps its all-reduce with backward except the last bucket "
     "(min(ddp_bucket_bytes, dense_param_bytes)), which is exposed in full; all-reduce "
     "time beyond the backward window is exposed too.",
-    "Host overhead is the same for both schedules (the balancer plans on a side thread).",
+    "Host overhead is constant in W; freescale's is its own measured value when given "
+    "(host_overhead_freescale_ms), else the same as vanilla's.",
 )
 
 
@@ -540,10 +550,10 @@ def _schedule_row(
         "exposed_allreduce": exposed_allreduce,
         "overlap_slowdown": overlap_nccl + overlap_smfree,
         "link_overflow": link_overflow,
-        "host_overhead": c.host_overhead_ms,
+        "host_overhead": c.host_ms(schedule),
     }
     step_ms = sum(breakdown.values())
-    ideal_ms = c.dense_ms + c.emb_compute_ms + c.host_overhead_ms
+    ideal_ms = c.dense_ms + c.emb_compute_ms + c.host_ms(schedule)
     qps_per_gpu = 1e3 * c.local_batch_size / step_ms
     intra, inter = net.alltoall_split(blocking_bytes, w)
     return {
@@ -611,7 +621,8 @@ def project(
                           link time / dense) [freescale: overlapped emb + balance bytes]
         link_overflow     freescale: SM-free link time + hidden all-reduce time beyond
                           the window dense + emb_compute (traffic that cannot hide)
-        host_overhead     costs.host_overhead_ms, both schedules
+        host_overhead     costs.host_overhead_ms (freescale: host_overhead_freescale_ms
+                          when measured)
 
     ``step_ms`` is their sum. Also per row: ``qps_per_gpu`` (local batch / step),
     ``qps_total``, ``qps_per_gpu_rel`` (ideal step / step, ideal = dense + emb_compute

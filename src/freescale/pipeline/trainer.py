@@ -563,6 +563,7 @@ class Trainer:
             "straggler_share_median": _median(acc.straggler),
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
+            "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
             **ev,
         }
         if accounting is not None:
