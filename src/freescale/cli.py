@@ -80,6 +80,14 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "bitwise equal to vanilla)",
     )
     p.add_argument(
+        "--overlap-backend",
+        choices=["default", "auto", "host_staged", "copy_engine"],
+        default="default",
+        help="backend of the overlapped embedding traffic (sdd / prioritized): default = "
+        "a side group of the main backend; auto = SM-free by topology (copy engine in a "
+        "node on CUDA, host-staged otherwise)",
+    )
+    p.add_argument(
         "--timing",
         choices=["sync", "events"],
         default="sync",
@@ -157,6 +165,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         mode=args.mode,
         max_collision_rate=args.max_collision_rate,
         timing=args.timing,
+        overlap_backend=args.overlap_backend,
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,
     )

@@ -143,6 +143,11 @@ class TrainConfig:
     # (DESIGN.md 2.2: only collision rows on the critical path; bitwise equal)
     mode: Literal["vanilla", "sdd", "prioritized"] = "vanilla"
     max_collision_rate: float = 0.9  # prioritized guardrail (occurrence share)
+    # backend of the overlapped embedding traffic (sdd's ids ahead; prioritized's
+    # exclusive embeddings and gradients): "default" = a side group of the main backend
+    # (NCCL on GPU); "auto" = SM-free, chosen by topology (comm.select_backend: copy
+    # engine inside one node on CUDA, host-staged otherwise); or one by name
+    overlap_backend: Literal["default", "auto", "host_staged", "copy_engine"] = "default"
     # per-stage timing: "sync" synchronises the device at every stage boundary (exact
     # stage times, but no overlap across stages); "events" records CUDA events instead
     # and reads them one step later (no host sync on the compute stream for timing; the
@@ -158,6 +163,11 @@ class TrainConfig:
             raise ValueError("steps must be >= 0")
         if self.timing not in ("sync", "events"):
             raise ValueError(f"timing must be 'sync' or 'events', got {self.timing!r}")
+        if self.overlap_backend not in ("default", "auto", "host_staged", "copy_engine"):
+            raise ValueError(
+                "overlap_backend must be default | auto | host_staged | copy_engine, "
+                f"got {self.overlap_backend!r}"
+            )
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")
 

@@ -133,7 +133,12 @@ class Trainer:
         else:
             self.emb_comm = Communicator(None, name="embedding")
             self.meta_comm = Communicator(None, name="meta")
-        opts = {"max_collision_rate": cfg.max_collision_rate} if cfg.mode == "prioritized" else {}
+        opts: dict[str, Any] = (
+            {"max_collision_rate": cfg.max_collision_rate} if cfg.mode == "prioritized" else {}
+        )
+        self.overlap_comm = self._overlap_communicator()
+        if self.overlap_comm is not None:
+            opts["side_comm"] = self.overlap_comm
         self.sparse = make_embedding_collection(
             cfg.mode,
             self.tables,
@@ -168,6 +173,34 @@ class Trainer:
             self._log_file = open(cfg.log_path, "a")  # noqa: SIM115
 
     # ------------------------------------------------------------- helpers
+    def _overlap_communicator(self) -> Communicator | None:
+        """The communicator of the overlapped embedding traffic (``cfg.overlap_backend``);
+        None: the module makes its own side group of the main backend."""
+        choice = self.cfg.overlap_backend
+        if choice == "default" or self.world_size == 1 or self.cfg.mode == "vanilla":
+            return None
+        from ..comm import create_communicator, detect_topology, select_backend
+
+        backend = choice
+        if choice == "auto":
+            backend = select_backend(
+                detect_topology(), "exclusive_embeddings", cuda=self.device.type == "cuda"
+            )
+        return create_communicator(backend, name=f"overlap-{backend}")
+
+    def comm_bytes_by_backend(self) -> dict[str, int]:
+        """Bytes this rank sent per backend (embedding, metadata, overlapped traffic)."""
+        out: dict[str, int] = defaultdict(int)
+        comms = [self.emb_comm, self.meta_comm, getattr(self.sparse, "side_comm", None)]
+        seen: set[int] = set()
+        for c in comms:
+            if c is None or id(c) in seen:
+                continue
+            seen.add(id(c))
+            for key, n in c.stats.bytes.items():
+                out[key.split(":", 1)[0]] += int(n)
+        return dict(out)
+
     @property
     def events_timing(self) -> bool:
         """Stage times from CUDA events read a step later (``cfg.timing == "events"``)."""
@@ -564,6 +597,10 @@ class Trainer:
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
+            "overlap_backend": getattr(
+                getattr(self.sparse, "side_comm", None), "backend_name", None
+            ),
+            "comm_bytes_by_backend": self.comm_bytes_by_backend(),
             **ev,
         }
         if accounting is not None:
