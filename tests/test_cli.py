@@ -74,3 +74,25 @@ def test_single_process_train_writes_summary(tmp_path):
     assert 0 < s["oracle_ne"] < 1 and s["eval_ne"] > 0
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert "train" in kinds and "eval" in kinds and kinds[-1] == "summary"
+
+
+def test_mode_freescale_turns_every_technique_on_and_flags_override():
+    import argparse
+
+    from freescale.balance.hook import balance_config_from_args
+    from freescale.cli import _add_train_flags, build_train_config, resolve_mode
+
+    def parse(*argv):
+        p = argparse.ArgumentParser()
+        _add_train_flags(p)
+        args = p.parse_args(list(argv))
+        resolve_mode(args)
+        return build_train_config(args, gpu=False), balance_config_from_args(args)
+
+    cfg, bal = parse("--mode", "freescale")
+    assert cfg.mode == "prioritized" and cfg.overlap_backend == "auto"
+    assert bal is not None and bal.partitioner == "fbs"
+    cfg, bal = parse("--mode", "freescale", "--balance", "off", "--overlap-backend", "default")
+    assert cfg.mode == "prioritized" and cfg.overlap_backend == "default" and bal is None
+    cfg, bal = parse()  # defaults: vanilla, nothing on
+    assert cfg.mode == "vanilla" and cfg.overlap_backend == "default" and bal is None

@@ -74,15 +74,16 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-samples", type=int, default=None)
     p.add_argument(
         "--mode",
-        choices=["vanilla", "sdd", "prioritized"],
+        choices=["vanilla", "sdd", "prioritized", "freescale"],
         default="vanilla",
         help="embedding schedule (sdd: ids of t+1 ahead; prioritized: DESIGN.md 2.2; both "
-        "bitwise equal to vanilla)",
+        "bitwise equal to vanilla); freescale = prioritized + --balance fbs + "
+        "--overlap-backend auto unless those flags say otherwise",
     )
     p.add_argument(
         "--overlap-backend",
         choices=["default", "auto", "host_staged", "copy_engine"],
-        default="default",
+        default=None,
         help="backend of the overlapped embedding traffic (sdd / prioritized): default = "
         "a side group of the main backend; auto = SM-free by topology (copy engine in a "
         "node on CUDA, host-staged otherwise)",
@@ -118,6 +119,18 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     from .balance.hook import add_balance_flags
 
     add_balance_flags(p)
+
+
+def resolve_mode(args: argparse.Namespace) -> None:
+    """``--mode freescale``: every technique on (prioritized updates, FBS balancing,
+    SM-free overlapped traffic), each overridable by its own flag."""
+    if getattr(args, "mode", None) != "freescale":
+        return
+    args.mode = "prioritized"
+    if getattr(args, "balance", None) is None:
+        args.balance = "fbs"
+    if getattr(args, "overlap_backend", None) is None:
+        args.overlap_backend = "auto"
 
 
 def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
@@ -165,7 +178,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         mode=args.mode,
         max_collision_rate=args.max_collision_rate,
         timing=args.timing,
-        overlap_backend=args.overlap_backend,
+        overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,
     )
@@ -285,6 +298,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             if in_torchrun
             else (torch.cuda.device_count() if gpu else 2)
         )
+    resolve_mode(args)
     cfg = build_train_config(args, gpu)
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     from .balance.hook import balance_config_from_args

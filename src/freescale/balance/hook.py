@@ -304,8 +304,9 @@ def add_balance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--balance",
         choices=["off", *names],
-        default="off",
-        help="sequence load balancing partitioner (default off; fbs is the paper's)",
+        default=None,
+        help="sequence load balancing partitioner (default off, fbs with --mode freescale; "
+        "fbs is the paper's)",
     )
     p.add_argument("--balance-alpha", type=float, default=1.5, help="L^alpha sample costs")
     p.add_argument(

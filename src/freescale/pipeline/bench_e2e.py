@@ -669,7 +669,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     """``freescale bench e2e --out DIR [--steps N] [--variants ...] [--nproc N]`` (plus
     every ``freescale train`` data / model flag; ``--mode`` and ``--balance`` are ignored:
     the variants set them)."""
-    from ..cli import _add_train_flags, build_train_config, launch_local
+    from ..cli import _add_train_flags, build_train_config, launch_local, resolve_mode
 
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="freescale bench e2e", description=__doc__.split("\n")[0])
@@ -709,6 +709,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
             else (torch.cuda.device_count() if gpu else 2)
         )
     args.no_progress = True
+    resolve_mode(args)  # --overlap-backend given with --mode freescale applies to every variant
     cfg = build_train_config(args, gpu)
     given = {a.split("=")[0] for a in argv}
     if gpu and "--timing" not in given:
