@@ -14,7 +14,13 @@ Owns:
   and :func:`torchrec_full_tables` / :func:`torchrec_optimizer_state` /
   :func:`gather_row_shards` read full tables and row-wise Adagrad state back for
   comparison; :func:`torchrec_row_ranges` / :func:`check_row_ranges` compare its shard
-  placement with FreeScale's ``RowWisePlan`` (both: ``block = ceil(rows / W)``).
+  placement with FreeScale's ``RowWisePlan`` (both: ``block = ceil(rows / W)``);
+* drop-in model sharding: :func:`shard_model` finds every TorchRec
+  ``EmbeddingCollection`` of an unchanged TorchRec model and swaps in a
+  :class:`FreeScaleEmbeddingCollection` (TorchRec's call interface, KJT in,
+  ``{feature: JaggedTensor}`` out) over a FreeScale sharded collection initialised from
+  the module's own weights; :func:`freescale_modules` lists the swapped modules (for
+  ``set_step`` / ``set_next`` / ``flush`` in the training loop).
 
 TorchRec and fbgemm are optional: this module imports without them and every function
 that needs them imports them lazily and raises :class:`ImportError` naming what to
@@ -48,7 +54,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ..comm.base import Communicator
 from ..config import CANDIDATE_FEATURE, SparseOptimConfig, TableConfig
 from ..data.batch import JaggedBatch
 
@@ -76,6 +84,9 @@ __all__ = [
     "gather_row_shards",
     "torchrec_full_tables",
     "torchrec_optimizer_state",
+    "FreeScaleEmbeddingCollection",
+    "shard_model",
+    "freescale_modules",
 ]
 
 _INSTALL_HINT = (
@@ -627,3 +638,411 @@ def torchrec_optimizer_state(
     per = torchrec_optimizer_shards(dmp)
     shards = {name: st[state] for name, st in per.items() if state in st}
     return gather_row_shards(shards, {t.name: t.num_embeddings for t in tables}, group)
+
+
+# ------------------------------------------------------------ model sharding
+
+#: ``init`` choices of :func:`shard_model`: copy the module's rows, or FreeScale's own
+_INITS = ("module", "freescale")
+_FREESCALE_DTYPES = (torch.float32, torch.float64)
+
+
+def _ec_class() -> type:
+    require_torchrec()
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    return EmbeddingCollection
+
+
+def _check_ec(ec: Any, where: str, init: str) -> tuple[torch.dtype, torch.device]:
+    """Refuse what one FreeScale collection cannot express (module ``where``); return the
+    dtype and device of its weights."""
+    if ec.need_indices():
+        raise NotImplementedError(
+            f"module '{where}': EmbeddingCollection(need_indices=True) returns the ids as "
+            "JaggedTensor weights; FreeScale's collection does not (build the module with "
+            "need_indices=False, the default)"
+        )
+    configs = list(ec.embedding_configs())
+    shared = [
+        (c.name, f, e)
+        for c, names in zip(configs, ec.embedding_names_by_table())
+        for f, e in zip(c.feature_names, names)
+        if f != e
+    ]
+    if shared:
+        raise NotImplementedError(
+            f"module '{where}': feature(s) {sorted({f for _, f, _ in shared})} feed several "
+            f"tables ({[e for _, _, e in shared]}); FreeScale maps each feature to one table"
+        )
+    # group the tables by (dtype, sharding); every table goes row-wise, so by dtype
+    groups: dict[torch.dtype, list[str]] = {}
+    devices = set()
+    for c in configs:
+        w = ec.embeddings[c.name].weight
+        groups.setdefault(w.dtype, []).append(c.name)
+        devices.add(w.device)
+    if len(groups) > 1:
+        desc = "; ".join(f"{dt}: {names}" for dt, names in groups.items())
+        raise NotImplementedError(
+            f"module '{where}': its tables fall into {len(groups)} dtype groups ({desc}), "
+            "and one FreeScale collection holds tables of one dtype; split them into one "
+            "EmbeddingCollection per dtype"
+        )
+    ((dtype, names),) = groups.items()
+    if dtype not in _FREESCALE_DTYPES:
+        raise NotImplementedError(
+            f"module '{where}': tables {names} are {dtype}; FreeScale tables are float32 "
+            "(or float64)"
+        )
+    (device,) = devices
+    if device.type == "meta" and init == "module":
+        raise ValueError(
+            f"module '{where}': its weights are on the meta device, so there are no rows "
+            "to copy; pass init='freescale' (FreeScale's own N(0, std) rows) instead"
+        )
+    return dtype, device
+
+
+class FreeScaleEmbeddingCollection(nn.Module):
+    """A FreeScale row-wise sharded embedding collection with the call interface of
+    TorchRec's ``EmbeddingCollection``, which :func:`shard_model` swaps in for it.
+
+    ``forward(kjt)`` returns ``{feature: JaggedTensor}``: values are the embedding rows
+    of that feature's ids in the KJT's order (``[N_f, D]``), lengths the KJT's lengths
+    of it; keys and order are TorchRec's (tables in order, then their features). Like
+    TorchRec's module, which casts its lookups with ``.float()``, the values are float32
+    (``output_dtype``; ``None`` keeps the tables' dtype, e.g. float64). KJT keys the
+    collection does not own are ignored, weights (``is_weighted``) too.
+
+    Training: the rows are not parameters. Their gradient goes to the owner ranks in
+    backward and the fused sparse optimizer (``SparseOptimConfig``) updates them there,
+    so neither the dense optimizer nor DDP sees them. Each training forward uses the
+    step index and learning rate given by :meth:`set_step`; without a call since the
+    previous training forward, the step index advances by one and the lr is kept (the
+    configured one at first), so an unchanged training loop gives every step its own
+    index (row-wise Adagrad / Adam bias correction need it). Look-ahead modes
+    (``sdd``, ``prioritized``) also take the next step's KJT through :meth:`set_next`
+    before the forward (without it a step runs synchronously, with the same result);
+    :meth:`flush` applies whatever is deferred (collective: call it on every rank before
+    evaluation, checkpoints and the end of training).
+
+    The inner collection is :attr:`sparse` (its ``shard_tables()`` gives this rank's
+    rows). Its shard is a buffer (``<name>.sparse.weight`` in ``state_dict``, rank-local)
+    that may not be moved or cast afterwards: ``.to()`` / ``.double()`` / ``.cuda()`` on
+    a model holding one raise unless they leave it unchanged (choose ``device`` /
+    ``dtype`` when sharding).
+    """
+
+    def __init__(
+        self,
+        sparse: nn.Module,
+        configs: Sequence[EmbeddingConfig] | None = None,
+        *,
+        output_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self._configs = (
+            list(configs) if configs is not None else tables_to_torchrec(sparse.plan.tables)
+        )
+        self.output_dtype = output_dtype
+        self._step = 0
+        self._lr: float | None = None
+        self._step_given = False
+        self._next: KeyedJaggedTensor | None = None
+
+    @classmethod
+    def from_torchrec(
+        cls,
+        ec: Any,
+        comm: Communicator,
+        optim: SparseOptimConfig,
+        *,
+        mode: str = "vanilla",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+        output_dtype: torch.dtype | None = torch.float32,
+        init: str = "module",
+        name: str = "<module>",
+        **options: Any,
+    ) -> FreeScaleEmbeddingCollection:
+        """The FreeScale version of TorchRec ``EmbeddingCollection`` ``ec`` (``name``
+        for errors), row-wise sharded over ``comm``'s ranks with collection kind ``mode``
+        (:func:`~freescale.embedding.prioritized.make_embedding_collection`;
+        ``options`` go to it). ``device`` / ``dtype`` default to those of ``ec``'s
+        weights (float32 or float64). With ``init="module"`` every rank copies its own
+        row range of ``ec``'s current weights (bitwise when the dtype is kept), so every
+        rank must hold the same full weights (same seed, or loaded); ``init="freescale"``
+        uses FreeScale's initialisation (``N(0, std)`` with TorchRec's init range's std,
+        a function of ``seed``), for a module built on the meta device."""
+        from ..embedding.prioritized import make_embedding_collection
+
+        ec_cls = _ec_class()
+        if not isinstance(ec, ec_cls):
+            raise TypeError(
+                f"'{name}' is a {type(ec).__name__}, not a TorchRec EmbeddingCollection"
+            )
+        if init not in _INITS:
+            raise ValueError(f"init must be one of {_INITS}, got '{init}'")
+        w_dtype, w_device = _check_ec(ec, name, init)
+        dtype = w_dtype if dtype is None else dtype
+        if dtype not in _FREESCALE_DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        if device is None:
+            device = w_device if w_device.type != "meta" else torch.device("cpu")
+        configs = list(ec.embedding_configs())
+        try:
+            tables = tables_from_torchrec(configs)
+        except (ValueError, TypeError) as e:
+            raise NotImplementedError(f"module '{name}': {e}") from e
+        sparse = make_embedding_collection(
+            mode, tables, comm, optim, device=device, dtype=dtype, seed=seed, **options
+        )
+        if init == "module":
+            with torch.no_grad():
+                for tname, (lo, shard) in sparse.shard_tables().items():
+                    full = ec.embeddings[tname].weight
+                    shard.copy_(full[lo : lo + shard.shape[0]].to(shard.device, shard.dtype))
+        return cls(sparse, configs, output_dtype=output_dtype)
+
+    # ------------------------------------------------------- TorchRec's interface
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, Any]:
+        """``{feature: JaggedTensor}`` for the local batch ``features`` (a KJT)."""
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        jts = features.to_dict()
+        own = self.sparse.features
+        missing = [f for f in own if f not in jts]
+        if missing:
+            raise KeyError(
+                f"FreeScaleEmbeddingCollection: the KJT lacks feature(s) {missing} "
+                f"(keys {list(jts)})"
+            )
+        feats = {
+            f: (jts[f].values().to(torch.int64), jts[f].lengths().to(torch.int64)) for f in own
+        }
+        training = torch.is_grad_enabled() and self.training
+        if training:
+            if not self._step_given:  # an unchanged loop: advance the step index
+                self._step += 1
+                self.sparse.set_step(self._step, self._lr)
+            self._step_given = False
+        if getattr(self.sparse, "uses_next_features", False):
+            nxt = None
+            if training and self._next is not None:
+                nxt = {f: v for f, v in kjt_to_features(self._next).items() if f in own}
+                self._next = None
+            emb = self.sparse(feats, next_features=nxt)
+        else:
+            emb = self.sparse(feats)
+        out: dict[str, Any] = {}
+        for f in own:
+            v = emb[f] if self.output_dtype is None else emb[f].to(self.output_dtype)
+            out[f] = JaggedTensor(values=v, lengths=jts[f].lengths())
+        return out
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        """The TorchRec table configs of the module this one replaced."""
+        return list(self._configs)
+
+    def embedding_dim(self) -> int:
+        return int(self.sparse.plan.dim)
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(t.feature_names) for t in self.sparse.plan.tables]
+
+    def need_indices(self) -> bool:
+        return False
+
+    # ------------------------------------------------------ training-loop hooks
+    @property
+    def features(self) -> list[str]:
+        return list(self.sparse.features)
+
+    @property
+    def stats(self) -> Any:
+        """The inner collection's exchange counters and times."""
+        return self.sparse.stats
+
+    def set_step(self, step: int, lr: float | None = None) -> None:
+        """1-based index and sparse lr (None: the configured one) of the next training
+        forward (see the class docstring for the default)."""
+        self._step, self._lr, self._step_given = int(step), lr, True
+        self.sparse.set_step(step, lr)
+
+    def set_next(self, features: KeyedJaggedTensor | None) -> None:
+        """The next training step's KJT, for the look-ahead modes (ignored by
+        ``vanilla``): it must be what the next training forward after this one gets."""
+        self._next = features
+
+    def flush(self) -> None:
+        """Apply deferred updates and drop look-aheads (collective; a no-op for vanilla)."""
+        self._next = None
+        flush = getattr(self.sparse, "flush", None)
+        if flush is not None:
+            flush()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FreeScaleEmbeddingCollection:  # noqa: ARG002
+        # .to() / .double() / .cuda() would replace the shard buffer behind the fused
+        # optimizer's back: allow only conversions that leave it as it is
+        w = self.sparse.weight
+        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+        if probe.dtype != w.dtype or probe.device != w.device:
+            raise RuntimeError(
+                f"FreeScaleEmbeddingCollection: its shards ({w.dtype} on {w.device}) cannot be "
+                f"converted to {probe.dtype} on {probe.device} after sharding (the fused "
+                "optimizer holds them); move / cast the model before shard_model, or pass "
+                "shard_model(..., device=, dtype=)"
+            )
+        return self
+
+
+def _parent_and_key(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    parent_name, _, key = dotted.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), key
+
+
+def _replace(model: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent, key = _parent_and_key(model, dotted)
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)) and key.isdigit():
+        parent[int(key)] = new
+    elif isinstance(parent, nn.ModuleDict):
+        parent[key] = new
+    else:
+        setattr(parent, key, new)
+
+
+def shard_model(
+    model: nn.Module,
+    comm: Communicator | None,
+    optim: SparseOptimConfig,
+    *,
+    mode: str = "vanilla",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    output_dtype: torch.dtype | None = torch.float32,
+    init: str = "module",
+    **options: Any,
+) -> list[str]:
+    """Swap every TorchRec ``EmbeddingCollection`` of ``model`` for a
+    :class:`FreeScaleEmbeddingCollection` in place; returns the dotted names swapped.
+
+    The walk is ``model.named_modules()`` (a module registered under several names is
+    swapped once, under all of them; parents may be ``nn.ModuleDict`` / ``ModuleList``).
+    Each collection's tables are grouped by (dtype, sharding): FreeScale shards every
+    table row-wise (TorchRec's ``block = ceil(rows / W)``), and one collection holds one
+    dtype, so a module whose tables need several groups, non-float32/64 tables, a
+    feature read by two tables, ``need_indices=True`` or any table option
+    :func:`tables_from_torchrec` refuses raises :class:`NotImplementedError` naming the
+    module, before anything is swapped. A model with no ``EmbeddingCollection`` raises
+    :class:`ValueError`; ``EmbeddingBagCollection`` s (pooled) are left as they are,
+    with a warning.
+
+    Every rank calls this with the same model (same seed, or the same loaded weights):
+    with ``init="module"`` each rank keeps a bitwise copy of its own rows of each table
+    (see :meth:`FreeScaleEmbeddingCollection.from_torchrec` for ``device``, ``dtype``,
+    ``seed``, ``init``, ``mode`` and ``options``). ``comm`` carries the embedding
+    exchange; ``None`` makes a new process group over the world (or a single-process
+    communicator without ``torch.distributed``). The shard buffers are registered with
+    DDP as ignored on ``model`` (``DistributedDataParallel(model)`` then neither
+    broadcasts nor reduces them; wrap ``model`` itself, not a parent). Create the dense
+    optimizer afterwards: the old embedding parameters are gone from ``model``.
+
+    Example: a model written for TorchRec, trained by FreeScale::
+
+        model = MyTorchRecModel()  # holds torchrec.EmbeddingCollection(s)
+        names = shard_model(model, None, SparseOptimConfig(kind="rowwise_adagrad", lr=0.05))
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, allreduce_sum_hook)  # sparse rows see sums too
+        opt = torch.optim.Adam(model.parameters())  # the dense parameters only
+        for step, (kjt, labels) in enumerate(local_batches, start=1):
+            loss = ddp(kjt, labels) / global_sample_count  # a sum over local samples
+            loss.backward()  # embedding rows are updated here, at their owners
+            opt.step()
+            opt.zero_grad()
+        for m in freescale_modules(model).values():
+            m.flush()
+
+    Loss scaling: FreeScale sums embedding gradients at the owners (no division by W),
+    so the dense side must sum too: the SUM hook above
+    (:func:`freescale.pipeline.trainer.allreduce_sum_hook`) with a local loss of
+    ``sum / global count``, as ``Trainer`` does.
+    """
+    ec_cls = _ec_class()
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    if init not in _INITS:
+        raise ValueError(f"init must be one of {_INITS}, got '{init}'")
+    if isinstance(model, ec_cls):
+        raise ValueError(
+            "shard_model: the model is itself an EmbeddingCollection and cannot be replaced "
+            "in place; use FreeScaleEmbeddingCollection.from_torchrec(ec, comm, optim)"
+        )
+    names: dict[int, list[str]] = {}
+    found: dict[int, Any] = {}
+    bags = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, ec_cls):
+            names.setdefault(id(m), []).append(name)
+            found[id(m)] = m
+        elif isinstance(m, EmbeddingBagCollection):
+            bags.append(name)
+    if not found:
+        raise ValueError(
+            f"shard_model: {type(model).__name__} holds no torchrec EmbeddingCollection "
+            f"(found {len(bags)} EmbeddingBagCollection(s); FreeScale shards unpooled "
+            "EmbeddingCollections only)"
+        )
+    if bags:
+        import warnings
+
+        warnings.warn(
+            f"shard_model: EmbeddingBagCollection(s) {bags} are pooled and stay unsharded "
+            "(trained as dense parameters)",
+            stacklevel=2,
+        )
+    for key, ec in found.items():  # everything checked before anything is built
+        _check_ec(ec, names[key][0], init)
+    if comm is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            comm = Communicator(dist.new_group(), name="embedding")
+        else:
+            comm = Communicator(None, name="embedding")
+    swapped: list[str] = []
+    for key, ec in found.items():
+        new = FreeScaleEmbeddingCollection.from_torchrec(
+            ec,
+            comm,
+            optim,
+            mode=mode,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            output_dtype=output_dtype,
+            init=init,
+            name=names[key][0],
+            **options,
+        )
+        for n in names[key]:
+            _replace(model, n, new)
+            swapped.append(n)
+    prefixes = tuple(n + "." for n in swapped)
+    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    ignore.update(
+        n
+        for n, _ in [*model.named_buffers(remove_duplicate=False), *model.named_parameters()]
+        if n.startswith(prefixes)
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignore))
+    return swapped
+
+
+def freescale_modules(model: nn.Module) -> dict[str, FreeScaleEmbeddingCollection]:
+    """The :class:`FreeScaleEmbeddingCollection` s of ``model`` by dotted name (each
+    once), for ``set_step`` / ``set_next`` / ``flush`` in a training loop."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, FreeScaleEmbeddingCollection)}
