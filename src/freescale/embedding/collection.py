@@ -332,3 +332,24 @@ class ShardedEmbeddingCollection(nn.Module):
             off, n = self.plan.local_offset[ti], self.plan.local_rows[ti]
             out[t.name] = {k: (lo, v[off : off + n]) for k, v in self.optimizer.state.items()}
         return out
+
+
+def check_lookahead(
+    owner: str,
+    feature_names: Sequence[str],
+    ahead_values: Sequence[torch.Tensor],
+    ahead_lengths: Sequence[torch.Tensor],
+    features: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """The ids looked ahead at step t (``ahead_*``, in ``feature_names`` order) must be
+    the ids of step t+1 (``features``); a clear ``ValueError`` naming the feature
+    otherwise. Cheap when the caller passes the same tensors (identity first)."""
+    for f, v0, l0 in zip(feature_names, ahead_values, ahead_lengths):
+        v, ln = features[f]
+        same_v = v is v0 or (v.shape == v0.shape and torch.equal(v.to(v0.device), v0))
+        same_l = ln is l0 or (ln.shape == l0.shape and torch.equal(ln.to(l0.device), l0))
+        if not (same_v and same_l):
+            raise ValueError(
+                f"{owner}: feature '{f}' of this step differs from the next_features given "
+                "at the previous step"
+            )

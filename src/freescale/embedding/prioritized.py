@@ -104,7 +104,7 @@ from ..comm.base import Awaitable, Communicator
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.reference import gather_blocks
-from .collection import ShardedEmbeddingCollection, _IdDist
+from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
 from .sdd import SddEmbeddingCollection
 
 __all__ = [
@@ -569,15 +569,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _check_ahead(self, ahead: _Ahead, features: Features) -> None:
         """The ids looked ahead at step t must be the ids of step t+1."""
-        for f, v0, l0 in zip(self.plan.features, ahead.values, ahead.lengths):
-            v, ln = features[f]
-            same_v = v is v0 or (v.shape == v0.shape and torch.equal(v.to(v0.device), v0))
-            same_l = ln is l0 or (ln.shape == l0.shape and torch.equal(ln.to(l0.device), l0))
-            if not (same_v and same_l):
-                raise ValueError(
-                    f"PrioritizedEmbeddingCollection: feature '{f}' of this step differs from "
-                    "the next_features given at the previous step"
-                )
+        check_lookahead(
+            "PrioritizedEmbeddingCollection",
+            self.plan.features,
+            ahead.values,
+            ahead.lengths,
+            features,
+        )
 
     # (a) -------------------------------------------------------------------
     def _apply_deferred(self) -> None:

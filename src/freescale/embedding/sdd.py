@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..comm.base import Communicator
 from ..config import SparseOptimConfig, TableConfig
-from .collection import ShardedEmbeddingCollection, _IdDist, _VanillaExchange
+from .collection import ShardedEmbeddingCollection, _IdDist, _VanillaExchange, check_lookahead
 
 __all__ = ["SddEmbeddingCollection", "SddStats", "MUTATIONS"]
 
@@ -232,12 +232,6 @@ class SddEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _check_ahead(self, ahead: _Ahead, features: Features) -> None:
         """The ids looked ahead at step t must be the ids of step t+1."""
-        for f, v0, l0 in zip(self.plan.features, ahead.values, ahead.lengths):
-            v, ln = features[f]
-            same_v = v is v0 or (v.shape == v0.shape and torch.equal(v.to(v0.device), v0))
-            same_l = ln is l0 or (ln.shape == l0.shape and torch.equal(ln.to(l0.device), l0))
-            if not (same_v and same_l):
-                raise ValueError(
-                    f"SddEmbeddingCollection: feature '{f}' of this step differs from the "
-                    "next_features given at the previous step"
-                )
+        check_lookahead(
+            "SddEmbeddingCollection", self.plan.features, ahead.values, ahead.lengths, features
+        )
