@@ -87,6 +87,17 @@ def test_flex_attention_matches_reference():
     out = jagged_attention(q, k, v, lengths, "flex")
     ref = _attention_reference(q, k, v, lengths)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # the block mask is built once per forward (every layer passes the same `lengths`)
+    from freescale.models.sequence import _FLEX_CACHE
+
+    mask = _FLEX_CACHE["mask"][2]
+    jagged_attention(q, k, v, lengths, "flex")
+    assert _FLEX_CACHE["mask"][2] is mask
+    # ... and never reused for other lengths, even with the same token count
+    other = lengths.flip(0).clone()
+    out2 = jagged_attention(q, k, v, other, "flex")
+    assert _FLEX_CACHE["mask"][2] is not mask
+    torch.testing.assert_close(out2, _attention_reference(q, k, v, other), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("b", [0, 3])

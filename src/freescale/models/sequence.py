@@ -103,19 +103,24 @@ def flex_bucket(n: int, quantum: int = 4 * FLEX_BLOCK) -> int:
         b *= 2
 
 
-def document_causal_block_mask(lengths: torch.Tensor, tp: int, block: int = FLEX_BLOCK):
+def document_causal_block_mask(
+    lengths: torch.Tensor, tp: int, block: int = FLEX_BLOCK, total: int | None = None
+):
     """A flex-attention ``BlockMask`` for causal attention inside each jagged sample of
     ``lengths`` (tokens concatenated, padded to ``tp``), built directly from the sample
     boundaries in O(tp / block)^2 / 2 integers, never from a dense [tp, tp] mask.
 
     For query block i the key blocks with any allowed pair are ``[start(doc(first
     token of i)) / block, i]``; those whose whole span lies in the doc of the last token
-    of block i and strictly before i are *full* (no mask evaluated), the rest partial."""
+    of block i and strictly before i are *full* (no mask evaluated), the rest partial.
+
+    ``total``: ``sum(lengths)`` when the caller knows it (the token count); saves a
+    device-to-host sync on CUDA."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = lengths.device
     lengths = lengths.to(torch.int64)
-    t = int(lengths.sum())
+    t = int(lengths.sum()) if total is None else int(total)
     nb = tp // block
     doc = torch.full((tp,), -1, dtype=torch.int64, device=dev)
     start_of = torch.arange(tp, dtype=torch.int64, device=dev)  # padding: own "doc"
@@ -175,7 +180,14 @@ def _attention_flex(
     if t == 0:
         return q.new_zeros(q.shape)
     tp = -(-t // FLEX_BLOCK) * FLEX_BLOCK if _FLEX_CACHE["dynamic"] else flex_bucket(t)
-    block_mask = document_causal_block_mask(lengths, tp)
+    # every layer of one forward passes the same `lengths` tensor: build its mask once
+    # (t = q.shape[0] is sum(lengths): no device sync)
+    last = _FLEX_CACHE.get("mask")
+    if last is not None and last[0] is lengths and last[1] == tp:
+        block_mask = last[2]
+    else:
+        block_mask = document_causal_block_mask(lengths, tp, total=t)
+        _FLEX_CACHE["mask"] = (lengths, tp, block_mask)
 
     def pad(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(tp, h, dh)
