@@ -12,14 +12,17 @@ import dataclasses
 import pytest
 import torch
 
+from freescale.balance.hook import BalanceHook
+from freescale.balance.planner import BalanceConfig
 from freescale.comm.base import Awaitable
 from freescale.pipeline.trainer import Trainer
 from test_bench_e2e import e2e_config
 from test_trainer import _full_tables, _state
 
 
-def _run(rank, world, cfg, corrupt=False):
-    tr = Trainer(cfg)
+def _run(rank, world, cfg, corrupt=False, balance=False):
+    hooks = [BalanceHook(BalanceConfig(partitioner="fbs"))] if balance else []
+    tr = Trainer(cfg, hooks=hooks)
     if corrupt:  # mutation: the SM-free backend delivers a wrong exclusive payload
         side = tr.sparse.side_comm
         orig = side.all_to_all_v
@@ -66,3 +69,17 @@ def test_a_broken_smfree_backend_is_caught(pool2):
     cfg = dataclasses.replace(base, mode="prioritized", overlap_backend="host_staged")
     res = pool2.run(_run, cfg, True)
     assert not _equal(res, van)
+
+
+def test_balancer_exchanges_on_the_smfree_backend(pool2):
+    """With an SM-free overlap backend the balancer's metadata and sample moves use it
+    too: the same plans and moves, so bitwise equal to balancing over the default."""
+    base = dataclasses.replace(e2e_config(), eval_every=0, timing="sync", profile_steps=0)
+    ref = pool2.run(_run, base, False, True)
+    cfg = dataclasses.replace(base, overlap_backend="host_staged")  # vanilla schedule
+    res = pool2.run(_run, cfg, False, True)
+    assert _equal(res, ref)
+    s = res[0][1]
+    assert s["overlap_backend"] is None  # vanilla: no embedding side traffic
+    assert s["comm_bytes_by_backend"].get("host_staged", 0) > 0, s["comm_bytes_by_backend"]
+    assert "host_staged" not in ref[0][1]["comm_bytes_by_backend"]

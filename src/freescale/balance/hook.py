@@ -105,7 +105,14 @@ class BalanceHook(TrainerHook):
     # ------------------------------------------------------------------ set-up
     def on_train_start(self, trainer: Trainer) -> None:
         if self.comm is None:
-            if trainer.world_size > 1:
+            smfree = getattr(trainer, "overlap_backend_name", None)
+            if trainer.world_size > 1 and smfree is not None and self.backend is None:
+                # the trainer's overlapped traffic goes SM-free (TrainConfig.overlap_backend):
+                # so do the balancer's metadata all-gathers and sample moves
+                from freescale.comm import create_communicator
+
+                self.comm = create_communicator(smfree, name=f"balance-{smfree}")
+            elif trainer.world_size > 1:
                 group = dist.new_group(backend=self.backend)
                 self.comm = Communicator(group, name="balance")
             else:

@@ -175,9 +175,12 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def _overlap_communicator(self) -> Communicator | None:
         """The communicator of the overlapped embedding traffic (``cfg.overlap_backend``);
-        None: the module makes its own side group of the main backend."""
+        None: the module makes its own side group of the main backend. Also resolves
+        :attr:`overlap_backend_name` (``auto`` -> by topology), which the balancer uses
+        for its exchanges."""
         choice = self.cfg.overlap_backend
-        if choice == "default" or self.world_size == 1 or self.cfg.mode == "vanilla":
+        self.overlap_backend_name: str | None = None
+        if choice == "default" or self.world_size == 1:
             return None
         from ..comm import create_communicator, detect_topology, select_backend
 
@@ -186,12 +189,17 @@ class Trainer:
             backend = select_backend(
                 detect_topology(), "exclusive_embeddings", cuda=self.device.type == "cuda"
             )
+        self.overlap_backend_name = backend
+        if self.cfg.mode == "vanilla":
+            return None
         return create_communicator(backend, name=f"overlap-{backend}")
 
     def comm_bytes_by_backend(self) -> dict[str, int]:
-        """Bytes this rank sent per backend (embedding, metadata, overlapped traffic)."""
+        """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
+        hooks' communicators such as the balancer's)."""
         out: dict[str, int] = defaultdict(int)
         comms = [self.emb_comm, self.meta_comm, getattr(self.sparse, "side_comm", None)]
+        comms += [getattr(h, "comm", None) for h in self.hooks]  # e.g. the balancer's
         seen: set[int] = set()
         for c in comms:
             if c is None or id(c) in seen:
