@@ -106,7 +106,12 @@ class BalanceHook(TrainerHook):
     def on_train_start(self, trainer: Trainer) -> None:
         if self.comm is None:
             smfree = getattr(trainer, "overlap_backend_name", None)
-            if trainer.world_size > 1 and smfree is not None and self.backend is None:
+            host = trainer.world_size > 1 and trainer.ctx.backend == "nccl"
+            if host and self.backend is None:
+                # the trainer balances host batches (before their copy to the GPU): a
+                # gloo group on host memory, SM-free by construction, no device syncs
+                self.comm = Communicator(dist.new_group(backend="gloo"), name="balance")
+            elif trainer.world_size > 1 and smfree is not None and self.backend is None:
                 # the trainer's overlapped traffic goes SM-free (TrainConfig.overlap_backend):
                 # so do the balancer's metadata all-gathers and sample moves
                 from freescale.comm import create_communicator

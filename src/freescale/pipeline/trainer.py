@@ -261,8 +261,12 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         )
 
-    def next_batch(self, loader: PrefetchingLoader, step: int) -> JaggedBatch:
-        """Data stage: take the prefetched batch, agree with all ranks, move to device."""
+    def next_batch(
+        self, loader: PrefetchingLoader, step: int, to_device: bool = True
+    ) -> JaggedBatch:
+        """Data stage: take the prefetched batch, agree with all ranks, move to device
+        (``to_device=False``: keep it on the host, where the hooks run: balancing never
+        touches the device, so it never waits for the compute stream)."""
         err: Exception | None = None
         batch: JaggedBatch | None = None
         try:
@@ -270,7 +274,7 @@ class Trainer:
         except BadInputError as e:
             err = e
         batch = self.agree_on_input(batch, err, step)
-        return batch.to(self.device, non_blocking=True)
+        return batch.to(self.device, non_blocking=True) if to_device else batch
 
     def agree_on_input(
         self, batch: JaggedBatch | None, err: Exception | None, step: int
@@ -337,7 +341,7 @@ class Trainer:
         """Data stage, first half (two steps ahead): load, agree, and let the first hook
         that supports it start asynchronous work on the batch (the balancer's stages
         I and II: metadata all-gathers in flight while the current step computes)."""
-        batch = self.next_batch(loader, step)
+        batch = self.next_batch(loader, step, to_device=False)  # hooks work on the host
         for h in self.hooks:
             begin = getattr(h, "begin_batch", None)
             if begin is not None:
@@ -355,7 +359,17 @@ class Trainer:
         for h in self.hooks:
             if h is not owner:
                 batch = h.on_batch(self, step, batch)
-        return batch
+        return self._to_device(batch)
+
+    def _to_device(self, batch: JaggedBatch) -> JaggedBatch:
+        """Host batch -> training device, asynchronously: a batch rebuilt on the host by
+        a hook (the balancer) is pinned first, so the copy never waits for the compute
+        stream (a pageable copy would)."""
+        if self.device.type != "cuda" or batch.device.type == "cuda":
+            return batch.to(self.device)
+        if not batch.uih_lengths or not next(iter(batch.uih_lengths.values())).is_pinned():
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
 
     def flush(self) -> None:
         """Apply every deferred embedding update (a no-op for the vanilla schedule).
@@ -528,6 +542,10 @@ class Trainer:
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
+                    if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
+                        # diagnosis: warn at every call site that synchronises the device
+                        # (once per site; a host-bound step shows its syncs here)
+                        torch.cuda.set_sync_debug_mode("warn")
                 if prof_first is not None and t == prof_first:
                     if pending is not None:
                         self._finish_step(pending, acc, bar, last)
@@ -574,6 +592,8 @@ class Trainer:
             raise
         finally:
             loader.close()
+        if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
+            torch.cuda.set_sync_debug_mode("default")
         self.flush()
         self._sync()
         if t_stop is None:
