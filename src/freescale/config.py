@@ -153,6 +153,9 @@ class TrainConfig:
     # and reads them one step later (no host sync on the compute stream for timing; the
     # mode for throughput measurements). Identical numerics either way.
     timing: Literal["sync", "events"] = "sync"
+    # id-dist split sizes counted on the host one step ahead (no device read-back in the
+    # id dist; DESIGN.md 3); None: on with CUDA, off on CPU (where it only adds work)
+    host_counts: bool | None = None
     # profile the last `profile_steps` steps (excluded from QPS) with torch.profiler and
     # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
     profile_steps: int = 0

@@ -34,6 +34,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
+from ..kernels.reference import owner_and_local
 from .optim import FusedSparseOptimizer
 from .reduce import group_rows, segment_sum
 
@@ -122,6 +123,7 @@ class ExchangeStats:
     emb_bytes_sent: int = 0
     grad_bytes_sent: int = 0
     rows_updated: int = 0
+    host_counts_used: int = 0  # id dists that took their counts from the host
     times: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, key: str, seconds: float) -> None:
@@ -197,7 +199,15 @@ class ShardedEmbeddingCollection(nn.Module):
             [self.plan.block[t] for t in self.plan.feature_table], dtype=torch.int64
         )
         self._table_offsets = torch.tensor(self.plan.local_offset, dtype=torch.int64)
+        # device copies made once: a blocking host-to-device copy synchronises the stream
+        self._block_sizes_dev = self._block_sizes.to(self.device)
+        # shard-tensor row offset of each feature's table, indexed by feature
+        self._feature_offset_dev = self._table_offsets[self._feature_table].to(self.device)
         self.stats = ExchangeStats()
+        # host count matrices registered ahead (register_counts), keyed by the identity
+        # of the first feature's ids tensor (a strong reference is kept, so ids of freed
+        # tensors cannot alias); a few batches at most
+        self._known_counts: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._step = 1
         self._lr: float | None = None
 
@@ -238,8 +248,63 @@ class ShardedEmbeddingCollection(nn.Module):
         self._sync()
         self.stats.add_time(key, time.perf_counter() - t0)
 
-    def input_dist(self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> _IdDist:
-        """Bucket ids by owner rank, exchange counts then ids (blocking)."""
+    def host_counts(
+        self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """``[W, K]`` int64 on the host: ids of each feature (plan order) per owner rank,
+        from *host* ids — exactly what :meth:`input_dist`'s dispatch counts on the device
+        (same owner rule, kernels.reference.owner_and_local). Computed at load time it
+        lets the id dist skip reading counts back from the device (DESIGN.md 3)."""
+        w = self.comm.world_size
+        out = torch.zeros(w, len(self.plan.features), dtype=torch.int64)
+        zero = torch.zeros(1, dtype=torch.int64)
+        for k, f in enumerate(self.plan.features):
+            v = features[f][0]
+            if v.device.type != "cpu":
+                raise ValueError(f"host_counts: feature '{f}' is on {v.device}, not the host")
+            if v.numel():
+                keys = zero.expand(v.numel())
+                owner, _ = owner_and_local(v, keys, self._block_sizes[k : k + 1], w, "block")
+                out[:, k] = torch.bincount(owner, minlength=w)
+        return out
+
+    def register_counts(
+        self,
+        features: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        counts: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Host ``(sent, received)`` count matrices of ``features`` (this rank's
+        :meth:`host_counts` and their all-to-all), used by the id dist of exactly these
+        tensors whenever it runs (now or as a lookahead), instead of device read-backs."""
+        if not self.plan.features:
+            return
+        key = features[self.plan.features[0]][0]
+        self._known_counts[id(key)] = (key, counts)
+        while len(self._known_counts) > 4:
+            self._known_counts.pop(next(iter(self._known_counts)))
+
+    def _registered_counts(
+        self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._known_counts or not self.plan.features:
+            return None
+        key = features[self.plan.features[0]][0]
+        hit = self._known_counts.get(id(key))
+        return hit[1] if hit is not None and hit[0] is key else None
+
+    def input_dist(
+        self,
+        features: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> _IdDist:
+        """Bucket ids by owner rank, exchange counts then ids (blocking).
+
+        ``counts``: ``(sent, received)`` ``[W, K]`` host count matrices of these
+        features (:meth:`host_counts` of this rank, and the all-to-all of everyone's),
+        known ahead: then no count is read back from the device and no count collective
+        runs here (default: those given to :meth:`register_counts` for these tensors).
+        They must be right: a wrong count corrupts the exchange (the tests compare
+        against the device path bit for bit)."""
         t0 = self._tic()
         plan, w = self.plan, self.comm.world_size
         values = [features[f][0].to(self.device, torch.int64) for f in plan.features]
@@ -247,20 +312,28 @@ class ShardedEmbeddingCollection(nn.Module):
         sizes = [int(v.numel()) for v in values]
         cat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         # one segment per feature: lengths [K] in key-major order, batch of one
-        seg_lengths = torch.tensor(sizes, dtype=torch.int64, device=self.device)
-        res = ranged_dispatch(cat, seg_lengths, self._block_sizes.to(self.device), w)
-        key_counts = res.key_counts.to(torch.int64)  # [W, K]
-        recv_counts = self.comm.exchange_counts(key_counts.cpu(), name="id_counts")  # [W, K]
-        send_splits = res.splits.cpu().tolist()
+        seg_lengths = torch.tensor(sizes, dtype=torch.int64).to(self.device, non_blocking=True)
+        res = ranged_dispatch(cat, seg_lengths, self._block_sizes_dev, w)
+        if counts is None:
+            counts = self._registered_counts(features)
+        if counts is None:
+            key_counts = res.key_counts.to(torch.int64)  # [W, K]
+            recv_counts = self.comm.exchange_counts(key_counts.cpu(), name="id_counts")
+            send_splits = res.splits.cpu().tolist()
+        else:
+            key_counts, recv_counts = counts
+            send_splits = key_counts.sum(1).tolist()
+            self.stats.host_counts_used += 1
         recv_splits = recv_counts.sum(1).tolist()
         recv = self.comm.all_to_all_v(res.values, send_splits, recv_splits, name="ids").wait()
         # shard-tensor row of each received id: local row + offset of its table
+        k = len(plan.features)
         feat_of = torch.repeat_interleave(
-            torch.arange(len(plan.features)).repeat(w), recv_counts.reshape(-1)
-        ).to(self.device)
-        recv_keys = (
-            recv + self._table_offsets.to(self.device)[self._feature_table.to(self.device)[feat_of]]
+            torch.arange(k, device=self.device).repeat(w),
+            recv_counts.reshape(-1).to(self.device, non_blocking=True),
+            output_size=sum(recv_splits),
         )
+        recv_keys = recv + self._feature_offset_dev[feat_of]
         self.stats.ids_sent += int(cat.numel()) - int(send_splits[self.comm.rank])
         self.stats.ids_received += int(recv.numel())
         self._toc("id_dist", t0)

@@ -359,7 +359,31 @@ class Trainer:
         for h in self.hooks:
             if h is not owner:
                 batch = h.on_batch(self, step, batch)
-        return self._to_device(batch)
+        counts = self._id_counts(batch)
+        if batch.device.type == "cpu":
+            batch.extras["local_candidates"] = float(batch.num_candidates.sum())
+        batch = self._to_device(batch)
+        if counts is not None:
+            self.sparse.register_counts(self.features_of(batch), counts)
+        return batch
+
+    @property
+    def host_counts(self) -> bool:
+        hc = self.cfg.host_counts
+        return self.device.type == "cuda" if hc is None else bool(hc)
+
+    def _id_counts(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Id-dist split sizes of the (host) batch, exchanged over the host metadata
+        group: computed one step ahead, so the id dist reads nothing back from the
+        device (``cfg.host_counts``)."""
+        register = getattr(self.sparse, "register_counts", None)
+        if not self.host_counts or register is None or batch.device.type != "cpu":
+            return None
+        sent = self.sparse.host_counts(self.features_of(batch))
+        if self.world_size == 1:
+            return sent, sent.clone()
+        recv = self.meta_comm.exchange_counts(sent.to(self.meta_comm.device), name="id_counts")
+        return sent, recv.cpu()
 
     def _to_device(self, batch: JaggedBatch) -> JaggedBatch:
         """Host batch -> training device, asynchronously: a batch rebuilt on the host by
@@ -447,7 +471,11 @@ class Trainer:
             "_marks": marks,
             "global_candidates": gc,
             "samples": batch.batch_size,
-            "candidates": float(batch.num_candidates.sum()),
+            # counted on the host before the copy (a device sum read here would make the
+            # host wait for this whole step before it could prepare the next)
+            "candidates": batch.extras.get("local_candidates")
+            if "local_candidates" in batch.extras
+            else float(batch.num_candidates.sum()),
             "tokens": batch.total_tokens(),
             "times": times.values,
         }
