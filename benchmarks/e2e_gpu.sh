@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
+#   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
 #   MERGE=benchmarks/results/e2e_main.json bash benchmarks/e2e_gpu.sh ablate
@@ -19,6 +20,17 @@ STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
 E2E="python -m freescale.cli bench e2e --zipf-s 0.6"
 case "${1:-}" in
+check)
+  # the GPU paths not yet run on GPUs (host counts, host balancing, SM-free overlap),
+  # and every device-sync call site of a vanilla and a freescale step (~2 min)
+  for mode in vanilla sdd freescale; do
+    FREESCALE_SYNC_DEBUG=1 timeout 150 python -m freescale.cli train --device cuda --nproc 2 \
+      --steps 30 --mode "$mode" --timing events --profile-steps 5 --zipf-s 0.6 \
+      --trace-dir "$OUT/trace_$mode" --no-progress > "$OUT/check_$mode.log" 2>&1
+    echo "$mode rc=$?"; grep -E "QPS|GPU per step|Error|error" "$OUT/check_$mode.log" | head -5
+    grep -A2 "synchronizing" "$OUT/check_$mode.log" | grep -E "File|line" | sort | uniq -c | head -20
+  done
+  ;;
 smoke)
   timeout 200 python benchmarks/kill_rank_gpu.py --out "$OUT/kill" > "$OUT/kill_stdout.log" 2>&1
   echo "kill_rank rc=$?"; grep -E '"passed"|seconds_fault_to_exit|message_source' "$OUT/kill_stdout.log"
@@ -43,5 +55,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 check|smoke|main|ablate" >&2; exit 2 ;;
 esac
