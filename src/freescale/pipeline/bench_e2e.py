@@ -532,7 +532,9 @@ def _plot(report: dict[str, Any], path: str) -> str | None:
     except ImportError:
         return "matplotlib not importable: e2e.png not written"
     rows = report["rows"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    gpu = [r for r in rows if _acct(r, "window_ms") is not None]
+    fig, axes = plt.subplots(1, 3 if gpu else 2, figsize=(18 if gpu else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     names = [r["variant"] for r in rows]
     bottom = [0.0] * len(rows)
     for b in BREAKDOWN:
@@ -549,6 +551,20 @@ def _plot(report: dict[str, Any], path: str) -> str | None:
     ax2.set_ylabel("eval NE")
     ax2.set_title("NE curves")
     ax2.legend(fontsize="small")
+    if gpu:  # where the GPU's time goes (profiler trace; accounting.py)
+        ax3 = axes[2]
+        bottom = [0.0] * len(gpu)
+        for key, label in (
+            ("compute_ms", "compute"),
+            ("exposed_comm_ms", "exposed communication"),
+            ("other_idle_ms", "other idle (host-bound)"),
+        ):
+            vals = [_acct(r, key) or 0.0 for r in gpu]
+            ax3.bar([r["variant"] for r in gpu], vals, bottom=bottom, label=label)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        ax3.set_ylabel("ms per step (GPU timeline, mean over ranks)")
+        ax3.set_title("GPU time: compute vs bubble")
+        ax3.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
