@@ -261,19 +261,18 @@ def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     """Number of True entries of ``mask`` in each consecutive segment of ``splits``."""
     cs = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
     torch.cumsum(mask.to(torch.int64), 0, out=cs[1:])
-    ends = torch.tensor(splits, dtype=torch.int64).cumsum(0).to(mask.device)
-    starts = ends - torch.tensor(splits, dtype=torch.int64, device=mask.device)
-    return cs[ends] - cs[starts]
+    ends = torch.tensor(splits, dtype=torch.int64).cumsum(0)
+    starts = ends - torch.tensor(splits, dtype=torch.int64)
+    # non-blocking: a blocking host-to-device copy would synchronise the stream
+    both = torch.stack([ends, starts]).to(mask.device, non_blocking=True)
+    return cs[both[0]] - cs[both[1]]
 
 
 def _blocks(x: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    dev = x.device
-    return gather_blocks(
-        x,
-        torch.tensor(list(starts), dtype=torch.int64, device=dev),
-        torch.tensor(list(sizes), dtype=torch.int64, device=dev),
-        int(sum(sizes)),
-    )
+    # one non-blocking host-to-device copy (a blocking one synchronises the stream)
+    both = torch.tensor([list(starts), list(sizes)], dtype=torch.int64)
+    both = both.to(x.device, non_blocking=True)
+    return gather_blocks(x, both[0], both[1], int(sum(sizes)))
 
 
 def _offsets(splits: Sequence[int]) -> list[int]:
@@ -622,8 +621,16 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         bm[keys_t] = False
         bm[keys_n] = True
         reap_t = bm[keys_t]  # ids of t whose row t+1 touches
+        # distinct rows by popcount (device scalars, read with the other counts at once;
+        # torch.unique would sort and synchronise twice): rows of t+1, and those of them
+        # that t also touches (cleared by keys_t)
+        total_rows = bm.sum()
+        bm[keys_t] = False
+        coll_rows = total_rows - bm.sum()
         bm[keys_n] = False
-        coll_y, reap_y, decision, sums = self._mask_exchange(dist_t, dn, coll_n, reap_t)
+        coll_y, reap_y, decision, sums = self._mask_exchange(
+            dist_t, dn, coll_n, reap_t, torch.stack([coll_rows, total_rows])
+        )
         tr, own = sums
         self._toc("collision_detect", t0)
         coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
@@ -688,7 +695,12 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return ahead, split
 
     def _mask_exchange(
-        self, dist_t: _IdDist, dn: _IdDist, coll_n: torch.Tensor, reap_t: torch.Tensor
+        self,
+        dist_t: _IdDist,
+        dn: _IdDist,
+        coll_n: torch.Tensor,
+        reap_t: torch.Tensor,
+        distinct: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
         """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
         t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
@@ -699,13 +711,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
         reap_per_src = _seg_sums(reap_t, dist_t.recv_splits)
         coll_per_src = _seg_sums(coll_n, dn.recv_splits)
-        coll_rows = torch.unique(keys_t[reap_t]).numel()
-        total_rows = torch.unique(keys_n).numel()
-        own = torch.cat([reap_per_src, coll_per_src]).cpu().tolist()
+        # one read-back: counts per source, then (collision rows, distinct rows of t+1)
+        both = torch.cat([reap_per_src, coll_per_src, distinct.to(reap_per_src.dtype)])
+        own = both.cpu().tolist()
+        coll_rows, total_rows = own[2 * w], own[2 * w + 1]
+        own = own[: 2 * w]
         totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
         trailer = torch.tensor(
             [[own[s], own[w + s], *totals] for s in range(w)], dtype=torch.int64
-        ).to(dev)
+        ).to(dev, non_blocking=True)
         x = torch.cat(
             [reap_t.to(torch.uint8), coll_n.to(torch.uint8), trailer.view(torch.uint8).reshape(-1)]
         )
