@@ -5,7 +5,8 @@
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
 #   MERGE=benchmarks/results/e2e_main.json bash benchmarks/e2e_gpu.sh ablate
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
-#                                      # prioritized, balance_fbs merged into the main rows
+#                                      # prioritized, balance_fbs, freescale_nccl_overlap
+#                                      # merged into the main rows
 # Results land under $OUT (the device tool brings them back); copy e2e.json/md/png into
 # benchmarks/results/. STEPS / BASE_STEPS override the step counts. Workload: the GPU
 # default of `freescale train` (max UIH 16K, median 1K, 128 samples per rank, dim 128)
@@ -51,7 +52,7 @@ ablate)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
   echo "1gpu rc=$?"; tail -22 "$OUT/e2e_1gpu.log"
-  timeout 380 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs \
+  timeout 380 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs freescale_nccl_overlap \
     --merge "${MERGE:?set MERGE to the main e2e.json}" --baseline "$OUT/e2e_1gpu/e2e.json" \
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"

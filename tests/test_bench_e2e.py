@@ -96,8 +96,13 @@ def test_e2e_report_numerics(pool2, tmp_path):
         assert rows[name]["ne_curve"] == van["ne_curve"], name
         assert rows[name]["eval_ne"] == van["eval_ne"], name
         assert report["headline"][f"ne_rel_diff_{name}"] == 0.0
+    # the SM-free ablation changes the transport only: bitwise the same curve
+    assert rows["freescale"]["ne_curve"] == rows["freescale_nccl_overlap"]["ne_curve"]
+    assert rows["freescale"]["summary"]["overlap_backend"] == "host_staged"
+    assert rows["freescale"]["summary"]["comm_bytes_by_backend"]["host_staged"] > 0
+    assert rows["freescale_nccl_overlap"]["summary"]["overlap_backend"] != "host_staged"
     # tier 2: balancing and the legal reordering change summation orders (float64)
-    for name in ("balance_fbs", "freescale", "vanilla_reordered"):
+    for name in ("balance_fbs", "freescale", "freescale_nccl_overlap", "vanilla_reordered"):
         for p, q in zip(rows[name]["ne_curve"], van["ne_curve"]):
             assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
     assert report["headline"]["ne_rel_diff"] <= F64_TOL

@@ -16,7 +16,10 @@ Variants (:data:`VARIANTS`):
 * ``prioritized``: prioritized embedding updates (DESIGN.md 2.2; bitwise equal to
   vanilla, tier 1);
 * ``balance_fbs``: vanilla schedule + sequence load balancing with FBS (tier 2);
-* ``freescale``: prioritized + FBS balancing (tier 2).
+* ``freescale_nccl_overlap``: prioritized + FBS, the overlapped traffic on a side group
+  of the main backend (NCCL on GPUs): the SM-free ablation;
+* ``freescale``: prioritized + FBS balancing (tier 2), the overlapped traffic SM-free
+  (``overlap_backend="auto"`` unless the config names a backend).
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -54,7 +57,15 @@ from .trainer import Trainer, TrainerHook
 
 __all__ = ["VARIANTS", "run_e2e", "write_report", "bench_rank", "bench_e2e_main"]
 
-VARIANTS = ("vanilla", "vanilla_reordered", "sdd", "prioritized", "balance_fbs", "freescale")
+VARIANTS = (
+    "vanilla",
+    "vanilla_reordered",
+    "sdd",
+    "prioritized",
+    "balance_fbs",
+    "freescale_nccl_overlap",
+    "freescale",
+)
 # variant -> (embedding schedule, balancing partitioner or None)
 _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla": ("vanilla", None),
@@ -62,8 +73,13 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "sdd": ("sdd", None),
     "prioritized": ("prioritized", None),
     "balance_fbs": ("vanilla", "fbs"),
+    "freescale_nccl_overlap": ("prioritized", "fbs"),
     "freescale": ("prioritized", "fbs"),
 }
+# the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
+# takes SM-free ("auto" unless the base config names a backend); the ablation
+# freescale_nccl_overlap keeps it on a side group of the main backend; others: the base
+_OVERLAP = {"freescale_nccl_overlap": "default"}
 BREAKDOWN = ("data", "embedding", "dense", "optimizer", "metrics")
 
 
@@ -117,7 +133,10 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
     if log:
         stem, ext = os.path.splitext(log)
         log = f"{stem}.{variant}{ext or '.jsonl'}"
-    return dataclasses.replace(base, mode=mode, log_path=log)
+    overlap = _OVERLAP.get(variant, base.overlap_backend)
+    if variant == "freescale" and overlap == "default":
+        overlap = "auto"
+    return dataclasses.replace(base, mode=mode, log_path=log, overlap_backend=overlap)
 
 
 def run_variant(
