@@ -146,7 +146,20 @@ def main() -> int:
         run_scenario(k, args.device, args.timeout, args.step, args.slack, args.out)
         for k in args.scenarios.split(",")
     ]
-    verdict = {"passed": all(r["passed"] for r in results), "results": results}
+    verdict: dict[str, Any] = {"passed": all(r["passed"] for r in results), "results": results}
+    verdict.update(
+        figure=f"kill_rank_{args.device}",
+        git_sha=os.environ.get("FREESCALE_GIT_SHA"),
+        device=args.device,
+        date=time.strftime("%Y-%m-%d"),
+        command="python " + " ".join(sys.argv),
+        rows=results,
+        headline={
+            "passed": verdict["passed"],
+            **{f"{r['scenario']}_seconds_to_exit": r["seconds_fault_to_exit"] for r in results},
+            **{f"{r['scenario']}_message_source": r["message_source"] for r in results},
+        },
+    )
     text = json.dumps(verdict, indent=2)
     print(text)
     if args.out:
