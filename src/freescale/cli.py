@@ -105,6 +105,19 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "--trace-dir", default=None, help="keep each rank's Chrome trace here (Perfetto)"
     )
     p.add_argument(
+        "--host-counts",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="count the id dist's split sizes on the host one step ahead (auto: on with CUDA)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per rank (default: OMP_NUM_THREADS if set, else the "
+        "machine's cores / local ranks / 2, at most 8)",
+    )
+    p.add_argument(
         "--max-collision-rate",
         type=float,
         default=0.9,
@@ -181,6 +194,8 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,
+        host_counts={"auto": None, "on": True, "off": False}[getattr(args, "host_counts", "auto")],
+        cpu_threads=getattr(args, "cpu_threads", None),
     )
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr

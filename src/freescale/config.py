@@ -156,6 +156,11 @@ class TrainConfig:
     # id-dist split sizes counted on the host one step ahead (no device read-back in the
     # id dist; DESIGN.md 3); None: on with CUDA, off on CPU (where it only adds work)
     host_counts: bool | None = None
+    # torch intra-op threads per rank; None: OMP_NUM_THREADS if set, else cores / local
+    # ranks / 2 (at most 8). The loader thread and the training thread each drive their
+    # own OpenMP team: torch's default (every core, per process) oversubscribes the host
+    # as soon as several ranks share it, and slows host-side batch work several-fold.
+    cpu_threads: int | None = None
     # profile the last `profile_steps` steps (excluded from QPS) with torch.profiler and
     # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
     profile_steps: int = 0
@@ -173,6 +178,8 @@ class TrainConfig:
             )
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
 
 def config_to_dict(cfg: object) -> dict:

@@ -59,6 +59,27 @@ class InputRejected(BadInputError):
     """Some rank rejected its input for this step; raised on every rank."""
 
 
+def set_cpu_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads for this rank and return the count in force.
+
+    ``requested`` wins; else ``OMP_NUM_THREADS`` (left as torch read it); else the cores
+    this process may use / local ranks (``LOCAL_WORLD_SIZE``) / 2, at most 8 — the loader
+    thread and the training thread each drive an OpenMP team, and torch's default (all
+    cores in every process) oversubscribes a host shared by several ranks."""
+    if requested is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        requested = max(1, min(8, cores // local // 2))
+    if requested != torch.get_num_threads():
+        torch.set_num_threads(requested)
+    return requested
+
+
 class TrainerHook:
     """Base class of stage hooks; override what you need. ``on_batch`` may replace the
     local batch (e.g. the load balancer); the others observe."""
@@ -111,6 +132,7 @@ class Trainer:
         source: Any = None,
     ) -> None:
         self.cfg = cfg
+        self.cpu_threads = set_cpu_threads(cfg.cpu_threads)
         self.ctx = ctx or init_distributed(cfg.device)
         self.device = self.ctx.device
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
@@ -652,6 +674,7 @@ class Trainer:
             "straggler_share_median": _median(acc.straggler),
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
+            "cpu_threads": self.cpu_threads,
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
             "overlap_backend": getattr(
                 getattr(self.sparse, "side_comm", None), "backend_name", None
