@@ -111,6 +111,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="count the id dist's split sizes on the host one step ahead (auto: on with CUDA)",
     )
     p.add_argument(
+        "--data-thread",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the data stage (input agreement, balancing, id counts) of the next steps "
+        "on a background thread (auto: on with CUDA)",
+    )
+    p.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
@@ -196,6 +203,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         trace_dir=args.trace_dir,
         host_counts={"auto": None, "on": True, "off": False}[getattr(args, "host_counts", "auto")],
         cpu_threads=getattr(args, "cpu_threads", None),
+        data_thread={"auto": None, "on": True, "off": False}[getattr(args, "data_thread", "auto")],
     )
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr

@@ -156,6 +156,10 @@ class TrainConfig:
     # id-dist split sizes counted on the host one step ahead (no device read-back in the
     # id dist; DESIGN.md 3); None: on with CUDA, off on CPU (where it only adds work)
     host_counts: bool | None = None
+    # the data stage (input agreement, balancing, id counts, pinning) of steps t+1 / t+2 on
+    # a background thread while step t trains (pipeline/data_stage.py); None: on with
+    # CUDA. Identical numerics either way.
+    data_thread: bool | None = None
     # torch intra-op threads per rank; None: OMP_NUM_THREADS if set, else cores / local
     # ranks / 2 (at most 8). The loader thread and the training thread each drive their
     # own OpenMP team: torch's default (every core, per process) oversubscribes the host

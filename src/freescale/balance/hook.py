@@ -163,6 +163,9 @@ class BalanceHook(TrainerHook):
                 "than rank 0; every rank must balance with identical settings"
             )
 
+    # host batch and own group only: may run on the trainer's data-stage thread
+    ahead_safe = True
+
     # -------------------------------------------------------------------- step
     def on_batch(self, trainer: Trainer, step: int, batch: JaggedBatch) -> JaggedBatch:
         """Synchronous balancing (all three stages now)."""

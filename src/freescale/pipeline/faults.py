@@ -174,6 +174,8 @@ class FaultMonitor(TrainerHook):
     def on_train_start(self, trainer: Trainer) -> None:
         self._set(trainer.step + 1, "start")
 
+    passes_batch = True
+
     def on_batch(self, trainer: Trainer, step: int, batch: Any) -> Any:
         self._set(trainer.step + 1, "data+forward")
         return batch
@@ -466,7 +468,7 @@ def install(trainer: Trainer, timeout_s: float, **kwargs: Any) -> FaultMonitor:
         **kwargs,
     )
     if trainer.world_size > 1:  # new_group() ignores init_process_group's timeout
-        for comm in (trainer.emb_comm, trainer.meta_comm):
+        for comm in (trainer.emb_comm, trainer.meta_comm, trainer.data_comm):
             _set_timeout(comm.group, timeout_s)
     trainer.hooks.append(mon)
     return mon.start()

@@ -48,6 +48,7 @@ from ..embedding.prioritized import make_embedding_collection
 from ..metrics.auc import AUCAccumulator
 from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
+from .data_stage import DataStageThread, PreparedBatch
 from .distributed import RankContext, check_config_hash, init_distributed
 
 __all__ = ["Trainer", "TrainerHook", "make_source", "StageTimes", "InputRejected"]
@@ -82,7 +83,15 @@ def set_cpu_threads(requested: int | None) -> int:
 
 class TrainerHook:
     """Base class of stage hooks; override what you need. ``on_batch`` may replace the
-    local batch (e.g. the load balancer); the others observe."""
+    local batch (e.g. the load balancer); the others observe.
+
+    ``ahead_safe``: ``on_batch`` may run on the data-stage thread, steps ahead of the
+    training thread (it touches only the host batch and its own process group; the
+    balancer). ``passes_batch``: ``on_batch`` returns the batch unchanged (so the id
+    counts can be taken before it runs)."""
+
+    ahead_safe: bool = False
+    passes_batch: bool = False
 
     def on_train_start(self, trainer: Trainer) -> None: ...
     def on_batch(self, trainer: Trainer, step: int, batch: JaggedBatch) -> JaggedBatch:
@@ -152,9 +161,15 @@ class Trainer:
             # the compute stream
             meta_backend = "gloo" if self.ctx.backend == "nccl" else None
             self.meta_comm = Communicator(dist.new_group(backend=meta_backend), name="meta")
+            # the data-stage thread's own metadata group (input agreement, id counts ahead)
+            self.data_comm = Communicator(dist.new_group(backend=meta_backend), name="data")
         else:
             self.emb_comm = Communicator(None, name="embedding")
             self.meta_comm = Communicator(None, name="meta")
+            self.data_comm = Communicator(None, name="data")
+        self._stage: DataStageThread | None = None
+        self.data_stage_steps = 0  # steps prepared on the data-stage thread
+        self.data_stage_counts = 0  # of which the id counts were taken there too
         opts: dict[str, Any] = (
             {"max_collision_rate": cfg.max_collision_rate} if cfg.mode == "prioritized" else {}
         )
@@ -220,7 +235,8 @@ class Trainer:
         """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
         hooks' communicators such as the balancer's)."""
         out: dict[str, int] = defaultdict(int)
-        comms = [self.emb_comm, self.meta_comm, getattr(self.sparse, "side_comm", None)]
+        comms = [self.emb_comm, self.meta_comm, self.data_comm]
+        comms.append(getattr(self.sparse, "side_comm", None))
         comms += [getattr(h, "comm", None) for h in self.hooks]  # e.g. the balancer's
         seen: set[int] = set()
         for c in comms:
@@ -284,7 +300,11 @@ class Trainer:
         )
 
     def next_batch(
-        self, loader: PrefetchingLoader, step: int, to_device: bool = True
+        self,
+        loader: PrefetchingLoader,
+        step: int,
+        to_device: bool = True,
+        comm: Communicator | None = None,
     ) -> JaggedBatch:
         """Data stage: take the prefetched batch, agree with all ranks, move to device
         (``to_device=False``: keep it on the host, where the hooks run: balancing never
@@ -295,11 +315,15 @@ class Trainer:
             batch = next(loader)
         except BadInputError as e:
             err = e
-        batch = self.agree_on_input(batch, err, step)
+        batch = self.agree_on_input(batch, err, step, comm)
         return batch.to(self.device, non_blocking=True) if to_device else batch
 
     def agree_on_input(
-        self, batch: JaggedBatch | None, err: Exception | None, step: int
+        self,
+        batch: JaggedBatch | None,
+        err: Exception | None,
+        step: int,
+        comm: Communicator | None = None,
     ) -> JaggedBatch:
         """One all-reduce: [candidates, bad flag per rank]. Every rank raises if any
         rank's input was rejected; otherwise sets ``batch.extras['global_candidates']``."""
@@ -310,8 +334,8 @@ class Trainer:
         else:
             vec[1 + self.rank] = 1.0
         if w > 1:
-            vec = self.meta_comm.all_reduce(vec.to(self.meta_comm.device), name="input_ok").wait()
-            vec = vec.cpu()
+            comm = comm or self.meta_comm
+            vec = comm.all_reduce(vec.to(comm.device), name="input_ok").wait().cpu()
         bad = [r for r in range(w) if vec[1 + r] > 0]
         if err is not None:
             raise err
@@ -394,7 +418,9 @@ class Trainer:
         hc = self.cfg.host_counts
         return self.device.type == "cuda" if hc is None else bool(hc)
 
-    def _id_counts(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _id_counts(
+        self, batch: JaggedBatch, comm: Communicator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Id-dist split sizes of the (host) batch, exchanged over the host metadata
         group: computed one step ahead, so the id dist reads nothing back from the
         device (``cfg.host_counts``)."""
@@ -404,8 +430,56 @@ class Trainer:
         sent = self.sparse.host_counts(self.features_of(batch))
         if self.world_size == 1:
             return sent, sent.clone()
-        recv = self.meta_comm.exchange_counts(sent.to(self.meta_comm.device), name="id_counts")
+        comm = comm or self.meta_comm
+        recv = comm.exchange_counts(sent.to(comm.device), name="id_counts")
         return sent, recv.cpu()
+
+    # ------------------------------------------------- data stage on its own thread
+    @property
+    def data_thread(self) -> bool:
+        dt = self.cfg.data_thread
+        return self.device.type == "cuda" if dt is None else bool(dt)
+
+    def _ahead_hooks(self) -> int:
+        """How many leading hooks run on the data-stage thread (``ahead_safe``)."""
+        n = 0
+        for h in self.hooks:
+            if not getattr(h, "ahead_safe", False):
+                break
+            n += 1
+        return n
+
+    def _prepare_ahead(self, step: int, loader: PrefetchingLoader, n_ahead: int) -> PreparedBatch:
+        """The data stage of ``step`` on the data-stage thread (pipeline/data_stage.py):
+        agree, the ``ahead_safe`` hooks, the id counts when every later hook passes the
+        batch through, pinning."""
+        batch = self.next_batch(loader, step, to_device=False, comm=self.data_comm)
+        for h in self.hooks[:n_ahead]:
+            batch = h.on_batch(self, step, batch)
+        counts = None
+        if all(_passes_batch(h) for h in self.hooks[n_ahead:]):
+            counts = self._id_counts(batch, comm=self.data_comm)
+            self.data_stage_counts += counts is not None
+        if batch.device.type == "cpu":
+            batch.extras["local_candidates"] = float(batch.num_candidates.sum())
+            if self.device.type == "cuda" and not _is_pinned(batch):
+                batch = batch.pin_memory()
+        self.data_stage_steps += 1
+        return PreparedBatch(step, batch, counts)
+
+    def _finish_prepared(self, p: PreparedBatch, n_ahead: int) -> JaggedBatch:
+        """The rest of the data stage on the training thread: the remaining hooks, the
+        id counts (if the thread could not), the device copy."""
+        batch = p.batch
+        for h in self.hooks[n_ahead:]:
+            batch = h.on_batch(self, p.step, batch)
+        counts = p.counts if p.counts is not None else self._id_counts(batch)
+        if batch.device.type == "cpu":
+            batch.extras["local_candidates"] = float(batch.num_candidates.sum())
+        batch = self._to_device(batch)
+        if counts is not None:
+            self.sparse.register_counts(self.features_of(batch), counts)
+        return batch
 
     def _to_device(self, batch: JaggedBatch) -> JaggedBatch:
         """Host batch -> training device, asynchronously: a batch rebuilt on the host by
@@ -413,7 +487,7 @@ class Trainer:
         stream (a pageable copy would)."""
         if self.device.type != "cuda" or batch.device.type == "cuda":
             return batch.to(self.device)
-        if not batch.uih_lengths or not next(iter(batch.uih_lengths.values())).is_pinned():
+        if not _is_pinned(batch):
             batch = batch.pin_memory()
         return batch.to(self.device, non_blocking=True)
 
@@ -584,6 +658,15 @@ class Trainer:
         t_stop: float | None = None
         profiler = None
         loader = self._loader(first, steps)
+        n_ahead = self._ahead_hooks()
+        stage = None
+        if self.data_thread and steps > 0:
+            stage = self._stage = DataStageThread(
+                lambda s: self._prepare_ahead(s, loader, n_ahead),
+                list(range(first, last + 1)),
+                num_threads=self.cpu_threads,
+                name=f"freescale-data-stage-rank{self.rank}",
+            )
         ahead: JaggedBatch | None = None
         begun: deque[tuple[int, JaggedBatch, Any]] = deque()
         pending: dict[str, Any] | None = None
@@ -611,15 +694,22 @@ class Trainer:
                 # trains (prioritized updates read its ids during step t); batch t+2 is
                 # loaded and its balancing metadata is in flight while step t computes
                 with record_function("freescale/data"):
-                    if ahead is None:  # first step of this call
+                    if stage is not None:  # prepared on the data-stage thread
+                        if ahead is None:
+                            ahead = self._finish_prepared(stage.get(t), n_ahead)
+                        batch = ahead
+                        nxt = stage.get(t + 1) if t < last else None
+                        ahead = self._finish_prepared(nxt, n_ahead) if nxt else None
+                    elif ahead is None:  # first step of this call
                         begun.append(self._begin(loader, t))
                         if t < last:
                             begun.append(self._begin(loader, t + 1))
                         ahead = self._end(begun.popleft())
-                    batch = ahead
-                    ahead = self._end(begun.popleft()) if t < last else None
-                    if t + 2 <= last:
-                        begun.append(self._begin(loader, t + 2))
+                    if stage is None:
+                        batch = ahead
+                        ahead = self._end(begun.popleft()) if t < last else None
+                        if t + 2 <= last:
+                            begun.append(self._begin(loader, t + 2))
                 t_data = self._now() - t0
                 rec = self.train_step(batch, ahead)
                 rec["times"]["data"] = t_data
@@ -641,6 +731,9 @@ class Trainer:
             self.flush()  # deferred updates are applied before the error propagates
             raise
         finally:
+            if stage is not None:
+                stage.close()
+                self._stage = None
             loader.close()
         if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
             torch.cuda.set_sync_debug_mode("default")
@@ -675,6 +768,11 @@ class Trainer:
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             "cpu_threads": self.cpu_threads,
+            "data_thread": {
+                "on": self.data_thread,
+                "steps": self.data_stage_steps,
+                "counts_on_thread": self.data_stage_counts,
+            },
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
             "overlap_backend": getattr(
                 getattr(self.sparse, "side_comm", None), "backend_name", None
@@ -721,6 +819,8 @@ class Trainer:
                 acc.stage_sum[k] += v
         for h in self.hooks:
             h.on_metrics(self, t, rec)
+        if self._stage is not None:  # the data-stage thread may plan step t + 4 now
+            self._stage.metrics_done(t)
         if t % cfg.log_every == 0 or t == last:
             tot = torch.tensor([acc.loss, acc.cands], dtype=torch.float64)
             if self.world_size > 1:
@@ -804,6 +904,18 @@ def allreduce_sum_hook(process_group, bucket):  # noqa: ANN001 - DDP inspects an
     group = process_group if process_group is not None else dist.group.WORLD
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
+
+def _passes_batch(h: Any) -> bool:
+    """The hook's ``on_batch`` returns the batch unchanged (declared, or not overridden)."""
+    if getattr(h, "passes_batch", False):
+        return True
+    on_batch = getattr(type(h), "on_batch", None)
+    return on_batch is None or on_batch is TrainerHook.on_batch
+
+
+def _is_pinned(batch: JaggedBatch) -> bool:
+    return bool(batch.uih_lengths) and next(iter(batch.uih_lengths.values())).is_pinned()
 
 
 def _median(xs: Iterable[float]) -> float:
