@@ -416,3 +416,19 @@ def test_factory():
         make_embedding_collection("nope", TABLES, comm, opt)
     with pytest.raises(ValueError, match="mutation"):
         PrioritizedEmbeddingCollection(TABLES, comm, opt, _mutation="nope")
+
+
+def test_mask_positions_equal_nonzero_on_fresh_random_masks():
+    from freescale.embedding.prioritized import mask_positions
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    for n in (0, 1, 7, 1000, 4097):
+        for p in (0.0, 0.03, 0.5, 1.0):
+            mask = torch.rand(n, generator=g) < p
+            ref = torch.nonzero(mask).squeeze(1)
+            got = mask_positions(mask, int(mask.sum()))
+            assert torch.equal(got, ref), (n, p)
+    mask = torch.rand(100, generator=g) < 0.5  # a wrong count is not silently right
+    assert not torch.equal(
+        mask_positions(mask, int(mask.sum()) - 1), torch.nonzero(mask).squeeze(1)
+    )

@@ -268,6 +268,21 @@ def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     return cs[both[0]] - cs[both[1]]
 
 
+def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``torch.nonzero(mask).squeeze(1)`` when the number of True entries (``count``) is
+    already known on the host: no device read-back (``nonzero`` and boolean indexing
+    synchronise the stream to learn their output size). Each True entry scatters its
+    position to its rank among the True entries; False entries go to a dump slot."""
+    n = mask.numel()
+    if count == n:
+        return torch.arange(n, device=mask.device)
+    m = mask.to(torch.int64)
+    target = torch.where(mask, torch.cumsum(m, 0) - 1, count)
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, target, torch.arange(n, device=mask.device))
+    return out[:count]
+
+
 def _blocks(x: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     # one non-blocking host-to-device copy (a blocking one synchronises the stream)
     both = torch.tensor([list(starts), list(sizes)], dtype=torch.int64)
@@ -615,19 +630,21 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
         t0 = self._tic()
         # collision bitmap at the owner, in shard-major form
+        # (index_fill_, not ``bm[keys] = True``: assigning a Python scalar copies it to the
+        # device from pageable memory, which synchronises the stream)
         bm = self._bitmap
-        bm[keys_t] = True
+        bm.index_fill_(0, keys_t, True)
         coll_n = bm[keys_n]  # ids of t+1 whose row t touches
-        bm[keys_t] = False
-        bm[keys_n] = True
+        bm.index_fill_(0, keys_t, False)
+        bm.index_fill_(0, keys_n, True)
         reap_t = bm[keys_t]  # ids of t whose row t+1 touches
         # distinct rows by popcount (device scalars, read with the other counts at once;
         # torch.unique would sort and synchronise twice): rows of t+1, and those of them
         # that t also touches (cleared by keys_t)
         total_rows = bm.sum()
-        bm[keys_t] = False
+        bm.index_fill_(0, keys_t, False)
         coll_rows = total_rows - bm.sum()
-        bm[keys_n] = False
+        bm.index_fill_(0, keys_n, False)
         coll_y, reap_y, decision, sums = self._mask_exchange(
             dist_t, dn, coll_n, reap_t, torch.stack([coll_rows, total_rows])
         )
@@ -658,8 +675,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         w = self.comm.world_size
         # owner side
         reap_per_src, coll_per_src = own[:w], own[w : 2 * w]
-        excl_keys_n = keys_n[~coll_n]
-        ahead.coll_keys = keys_n[coll_n]
+        # positions from counts already on the host (no nonzero / boolean-index syncs)
+        n_coll_own, n_reap_own = sum(coll_per_src), sum(reap_per_src)
+        excl_keys_n = keys_n.index_select(0, mask_positions(~coll_n, len(keys_n) - n_coll_own))
+        ahead.coll_keys = keys_n.index_select(0, mask_positions(coll_n, n_coll_own))
         ahead.coll_send_splits = coll_per_src
         excl_send_splits = [a - b for a, b in zip(dn.recv_splits, coll_per_src)]
         # requester side
@@ -670,13 +689,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         rank_excl = torch.cumsum((~coll_y).to(torch.int64), 0) - 1 + n_coll
         ahead.merge_perm = torch.where(coll_y, rank_coll, rank_excl).index_select(0, dn.unbucketize)
         g_coll = tr[:, 0].tolist()
+        n_reap_req = sum(g_coll)
         split = _GradSplit(
-            coll_pos=torch.nonzero(reap_y).squeeze(1),
-            excl_pos=torch.nonzero(~reap_y).squeeze(1),
+            coll_pos=mask_positions(reap_y, n_reap_req),
+            excl_pos=mask_positions(~reap_y, len(reap_y) - n_reap_req),
             coll_send_splits=g_coll,
             excl_send_splits=[a - b for a, b in zip(dist_t.send_splits, g_coll)],
-            coll_keys=keys_t[reap_t],
-            excl_keys=keys_t[~reap_t],
+            coll_keys=keys_t.index_select(0, mask_positions(reap_t, n_reap_own)),
+            excl_keys=keys_t.index_select(0, mask_positions(~reap_t, len(keys_t) - n_reap_own)),
             coll_recv_splits=reap_per_src,
             excl_recv_splits=[a - b for a, b in zip(dist_t.recv_splits, reap_per_src)],
         )
