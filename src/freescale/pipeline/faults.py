@@ -271,6 +271,16 @@ class FaultMonitor(TrainerHook):
             elif now - rec["t"] > stale_after:
                 dead[r] = f"heartbeat stopped {now - rec['t']:.1f} s ago"
         behind = [r for r, rec in peers.items() if rec is None or _position(rec) < mine]
+        if lost and not dead:
+            # a killed process resets its connections while it exits, before it is a
+            # zombie: give same-host peers a moment to show as exited
+            local = [r for r, rec in peers.items() if rec is not None and rec.get("host") == _HOST]
+            deadline = time.time() + stale_after
+            while local and not dead and time.time() < deadline:
+                time.sleep(0.05)
+                for r in local:
+                    if not _pid_alive(int(peers[r]["pid"])):
+                        dead[r] = f"process {peers[r]['pid']} has exited"
         if lost and not dead and not behind:  # remote ranks: watch the heartbeats
             time.sleep(stale_after)
             later = self.read_peers()
