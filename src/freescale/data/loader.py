@@ -25,7 +25,7 @@ from typing import Protocol
 
 from freescale.data.batch import JaggedBatch
 
-__all__ = ["PrefetchingLoader", "LoaderError", "BatchSource"]
+__all__ = ["PrefetchingLoader", "LoaderError", "BatchSource", "put_until_stopped"]
 
 
 class LoaderError(RuntimeError):
@@ -59,6 +59,18 @@ def _with_step(step: int, exc: BaseException) -> BaseException:
     except AttributeError:
         pass
     return new
+
+
+def put_until_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Put ``item`` on the bounded queue ``q``, waiting for room; False if ``stop`` is
+    set first (a producer thread's put that never blocks its shutdown)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class PrefetchingLoader:
@@ -107,13 +119,7 @@ class PrefetchingLoader:
 
     # ---------------------------------------------------------------- producer
     def _put(self, item: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self._queue, item, self._stop)
 
     def _produce(self) -> None:
         for step in self.steps:

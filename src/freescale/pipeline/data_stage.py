@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from freescale.data.batch import JaggedBatch
+from freescale.data.loader import put_until_stopped
 
 __all__ = ["DataStageThread", "PreparedBatch"]
 
@@ -110,16 +111,10 @@ class DataStageThread:
 
     # -------------------------------------------------------------- producer
     def _put(self, item: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self._queue, item, self._stop)
 
     def _run(self) -> None:
-        if self._num_threads is not None:  # the OpenMP team size is per calling thread
+        if self._num_threads is not None:  # explicit: the trainer's count, on this thread too
             torch.set_num_threads(self._num_threads)
         for step in self._steps:
             if not self._wait_gate(step):

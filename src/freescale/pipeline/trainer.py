@@ -405,7 +405,10 @@ class Trainer:
         for h in self.hooks:
             if h is not owner:
                 batch = h.on_batch(self, step, batch)
-        counts = self._id_counts(batch)
+        return self._ship(batch, self._id_counts(batch))
+
+    def _ship(self, batch: JaggedBatch, counts: Any) -> JaggedBatch:
+        """End of the data stage: local candidate count, device copy, id counts."""
         if batch.device.type == "cpu":
             batch.extras["local_candidates"] = float(batch.num_candidates.sum())
         batch = self._to_device(batch)
@@ -473,13 +476,7 @@ class Trainer:
         batch = p.batch
         for h in self.hooks[n_ahead:]:
             batch = h.on_batch(self, p.step, batch)
-        counts = p.counts if p.counts is not None else self._id_counts(batch)
-        if batch.device.type == "cpu":
-            batch.extras["local_candidates"] = float(batch.num_candidates.sum())
-        batch = self._to_device(batch)
-        if counts is not None:
-            self.sparse.register_counts(self.features_of(batch), counts)
-        return batch
+        return self._ship(batch, p.counts if p.counts is not None else self._id_counts(batch))
 
     def _to_device(self, batch: JaggedBatch) -> JaggedBatch:
         """Host batch -> training device, asynchronously: a batch rebuilt on the host by
