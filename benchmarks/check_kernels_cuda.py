@@ -45,6 +45,7 @@ def main() -> int:
                 variants = {
                     "triton": t,
                     "triton_v1": triton_impl.ranged_dispatch_v1(*args, mode=mode),
+                    "triton_v3": triton_impl.ranged_dispatch_v1(*args, mode=mode, dest_major=True),
                     # long segments over many chunks and blocks (segments reach 39 ids)
                     "triton_c16": triton_impl.ranged_dispatch(*args, mode=mode, chunk=16, block=16),
                     "triton_c32": triton_impl.ranged_dispatch(*args, mode=mode, chunk=32, block=16),

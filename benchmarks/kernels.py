@@ -240,7 +240,8 @@ class Runner:
         """Check every implementation against the reference, then time them.
 
         `fns` maps "reference", "vectorized", "naive", (if used) "triton" and optionally
-        "triton_v1" to zero-argument calls on the same input. Returns the reference output.
+        "triton_v1" / "triton_v3" to zero-argument calls on the same input. Returns the
+        reference output.
         """
         where = f"{op} ({wl['name']}, W={world})"
         expect = fns["reference"]()
@@ -248,7 +249,7 @@ class Runner:
         if wl["n"] <= self.args.check_naive_max_ids:
             check_same(f"naive {where}", expect, fns["naive"]())
         impls = {"vectorized": fns["vectorized"]}
-        for name in ("triton", "triton_v1"):
+        for name in ("triton", "triton_v1", "triton_v3"):
             if not self.use_triton or name not in fns:
                 continue
             got = fns[name]()
@@ -274,6 +275,9 @@ class Runner:
             if tri:
                 fns["triton"] = partial(tri.ranged_dispatch, *args)
                 fns["triton_v1"] = partial(tri.ranged_dispatch_v1, *args, tile=self.tile)
+                fns["triton_v3"] = partial(
+                    tri.ranged_dispatch_v1, *args, tile=self.tile, dest_major=True
+                )
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
 
@@ -400,12 +404,15 @@ def _headline(rows: list[dict]) -> dict:
     out = fig(v1)
     if v1 != "triton_ms":
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
+    if any("triton_v3_ms" in r for r in rows):  # v1 with the dest-major scan
+        out.update({f"{k}_v3": v for k, v in fig("triton_v3_ms").items()})
     out["kernel"] = "v1 (tile sort; what training dispatches on CUDA)"
     out["definition"] = (
         "speedups: ranged_dispatch, per_rank workload (one rank's batch, 128 samples x 4 "
         "keys, mean UIH 2048), naive eager or vectorized time / Triton time; fraction: "
         "large workload (2^26 ids) at W=1024, HBM floor time (bytes read+written / "
-        "measured device copy bandwidth) / Triton time; *_v2: the sort-free kernel"
+        "measured device copy bandwidth) / Triton time; *_v2: the sort-free kernel; "
+        "*_v3: v1 with the dest-major count scan (FREESCALE_TRITON_DISPATCH=v3)"
     )
     return out
 
@@ -426,6 +433,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
         for impl, style in (
             ("triton", "o-"),
             ("triton_v1", "o--"),
+            ("triton_v3", "d-"),
             ("vectorized", "s--"),
             ("naive", "^:"),
         ):

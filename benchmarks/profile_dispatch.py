@@ -4,8 +4,9 @@
 ids/s whatever the world size — 1% of the HBM floor at 2^26 ids. This script splits one
 call into its GPU kernels (tile table, per-tile histogram, the torch cumsum scans over
 the [tiles, W] count matrix, the sort-and-scatter kernel, segment lengths, the final
-key-count sum) with torch.profiler, for v1 and v2, at 2^26 ids and at one rank's batch,
-W in {8, 64, 1024}, so the next kernel design attacks the stage that dominates.
+key-count sum) with torch.profiler, for v1, v2 and v3 (v1 with the dest-major scan),
+at 2^26 ids and at one rank's batch, W in {8, 64, 1024}, so the next kernel design
+attacks the stage that dominates.
 
 Usage (one H200, ~1 min):
     PYTHONPATH=src python benchmarks/profile_dispatch.py --out DIR [--git-sha SHA]
@@ -26,6 +27,7 @@ import json
 import shlex
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loads = [("per_rank", 128, None), ("large", 8192, 1 << 26)]
         worlds, calls = WORLDS, args.calls
-    versions = {"v1": triton_impl.ranged_dispatch_v1, "v2": triton_impl.ranged_dispatch}
+    versions = {
+        "v1": triton_impl.ranged_dispatch_v1,
+        "v2": triton_impl.ranged_dispatch,
+        "v3": partial(triton_impl.ranged_dispatch_v1, dest_major=True),
+    }
     rows, headline = [], {}
     for name, batch, total in loads:
         wl = make_workload(name, batch, total, device, seed=0, smoke=args.smoke)

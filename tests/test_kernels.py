@@ -143,7 +143,8 @@ def test_dispatch_baselines_match_reference(gen, impl, mode):
 @needs_triton
 @pytest.mark.parametrize("world", [1, 3, 8, 1024])
 @pytest.mark.parametrize("mode", ["block", "modulo"])
-def test_dispatch_triton_v1_matches_reference(gen, world, mode):
+@pytest.mark.parametrize("dest_major", [False, True], ids=["v1", "v3"])
+def test_dispatch_triton_v1_matches_reference(gen, world, mode, dest_major):
     triton_impl = _triton()
     for i, tile in enumerate((16, None, 64)):  # 16: segments span several tiles
         case = random_dispatch_case(
@@ -151,7 +152,9 @@ def test_dispatch_triton_v1_matches_reference(gen, world, mode):
         )
         args = (case.values, case.lengths, case.block_sizes, world)
         expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
-        actual = triton_impl.ranged_dispatch_v1(*args, mode=mode, weights=case.weights, tile=tile)
+        actual = triton_impl.ranged_dispatch_v1(
+            *args, mode=mode, weights=case.weights, tile=tile, dest_major=dest_major
+        )
         assert_dispatch_equal(expected, actual, f"tile={tile} {case.describe()}")
 
 

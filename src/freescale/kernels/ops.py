@@ -51,13 +51,15 @@ def ranged_dispatch(
     Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
     """
     impl = _backend_module(backend, values.device)
-    if impl.__name__.endswith("triton_impl") and os.environ.get(DISPATCH_ENV_VAR, "v1") == "v1":
-        # the sort-free v2 kernel is checked in interpreter mode only; until it has been
-        # checked and timed on a GPU (benchmarks/check_kernels_cuda.py, kernels.py),
-        # training uses v1 (checked on H200). FREESCALE_TRITON_DISPATCH=v2 selects v2.
+    version = os.environ.get(DISPATCH_ENV_VAR, "v1")
+    if impl.__name__.endswith("triton_impl") and version in ("v1", "v3"):
+        # training uses v1 (checked and timed on H200) unless FREESCALE_TRITON_DISPATCH
+        # says v2 (sort-free) or v3 (v1 with the dest-major count scan; interpreter-checked
+        # only until benchmarks/check_kernels_cuda.py and kernels.py have run it on a GPU)
         return impl.ranged_dispatch_v1(
-            values, lengths, block_sizes, world_size, mode=mode, weights=weights
-        )
+            values, lengths, block_sizes, world_size, mode=mode, weights=weights,
+            dest_major=version == "v3",
+        )  # fmt: skip
     return impl.ranged_dispatch(
         values, lengths, block_sizes, world_size, mode=mode, weights=weights
     )

@@ -104,7 +104,17 @@ def _tile_ids(
     return pid, start, lane, mask, blk, ids
 
 
-@triton.jit(do_not_specialize=["batch", "world_size"])
+@triton.jit
+def _count_offset(tile, dest, world_size, num_tiles, DEST_MAJOR: tl.constexpr):
+    """Offset of (tile, dest) in the count / scan matrix: [dest][tile] or [tile][dest]."""
+    if DEST_MAJOR:
+        off = dest.to(tl.int64) * num_tiles + tile
+    else:
+        off = tile.to(tl.int64) * world_size + dest
+    return off
+
+
+@triton.jit(do_not_specialize=["batch", "world_size", "num_tiles"])
 def _dispatch_count_kernel(
     values_ptr,
     block_sizes_ptr,
@@ -114,9 +124,11 @@ def _dispatch_count_kernel(
     counts_ptr,
     batch,
     world_size,
+    num_tiles,
     MODULO: tl.constexpr,
     TILE: tl.constexpr,
     WP: tl.constexpr,
+    DEST_MAJOR: tl.constexpr,
 ):
     pid, start, lane, mask, blk, ids = _tile_ids(
         values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
@@ -124,10 +136,11 @@ def _dispatch_count_kernel(
     dest = _owner(ids, blk, world_size, MODULO).to(tl.int32)
     hist = tl.histogram(dest, WP, mask=mask)
     bins = tl.arange(0, WP)
-    tl.store(counts_ptr + pid.to(tl.int64) * world_size + bins, hist, mask=bins < world_size)
+    off = _count_offset(pid, bins, world_size, num_tiles, DEST_MAJOR)
+    tl.store(counts_ptr + off, hist, mask=bins < world_size)
 
 
-@triton.jit(do_not_specialize=["batch", "world_size"])
+@triton.jit(do_not_specialize=["batch", "world_size", "num_tiles"])
 def _dispatch_scatter_kernel(
     values_ptr,
     weights_ptr,
@@ -142,9 +155,11 @@ def _dispatch_scatter_kernel(
     perm_ptr,
     batch,
     world_size,
+    num_tiles,
     MODULO: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     TILE: tl.constexpr,
+    DEST_MAJOR: tl.constexpr,
 ):
     pid, start, lane, mask, blk, ids = _tile_ids(
         values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
@@ -157,8 +172,10 @@ def _dispatch_scatter_kernel(
     slane = keys % TILE
     _, run = tl.associative_scan((sdest, tl.full([TILE], 1, tl.int32)), 0, _run_count)
     valid = sdest < world_size
-    base = tl.load(earlier_ptr + pid.to(tl.int64) * world_size + sdest, mask=valid, other=0)
-    base += tl.load(dest_start_ptr + sdest, mask=valid, other=0)
+    off = _count_offset(pid, sdest, world_size, num_tiles, DEST_MAJOR)
+    base = tl.load(earlier_ptr + off, mask=valid, other=0)
+    if not DEST_MAJOR:  # dest-major: the scan over [dest][tile] already holds dest's start
+        base += tl.load(dest_start_ptr + sdest, mask=valid, other=0)
     pos = base.to(tl.int64) + (run - 1)
     src = start + slane
     ids_sorted = tl.load(values_ptr + src, mask=valid, other=0).to(tl.int64)
@@ -174,25 +191,30 @@ def _dispatch_scatter_kernel(
         tl.store(out_weights_ptr + pos, w, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_segments", "world_size"])
+@triton.jit(do_not_specialize=["num_segments", "world_size", "num_tiles"])
 def _segment_lengths_kernel(
     earlier_ptr,
     tile_first_ptr,
     out_ptr,
     num_segments,
     world_size,
+    num_tiles,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DEST_MAJOR: tl.constexpr,
 ):
-    """out[d * S + s] = earlier[tile_first[s + 1], d] - earlier[tile_first[s], d]."""
+    """out[d * S + s] = earlier[tile_first[s + 1], d] - earlier[tile_first[s], d] (the
+    scan's layout: [tile][dest], or [dest][tile] with ``DEST_MAJOR``)."""
     seg = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     dest = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     seg_mask = seg < num_segments
     mask = seg_mask[:, None] & (dest < world_size)[None, :]
     first = tl.load(tile_first_ptr + seg, mask=seg_mask, other=0)
     after = tl.load(tile_first_ptr + seg + 1, mask=seg_mask, other=0)
-    lo = tl.load(earlier_ptr + first[:, None] * world_size + dest[None, :], mask=mask, other=0)
-    hi = tl.load(earlier_ptr + after[:, None] * world_size + dest[None, :], mask=mask, other=0)
+    off_lo = _count_offset(first[:, None], dest[None, :], world_size, num_tiles, DEST_MAJOR)
+    off_hi = _count_offset(after[:, None], dest[None, :], world_size, num_tiles, DEST_MAJOR)
+    lo = tl.load(earlier_ptr + off_lo, mask=mask, other=0)
+    hi = tl.load(earlier_ptr + off_hi, mask=mask, other=0)
     out_offs = dest[None, :].to(tl.int64) * num_segments + seg[:, None]
     tl.store(out_ptr + out_offs, (hi - lo).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -216,11 +238,19 @@ def ranged_dispatch_v1(
     mode: str = "block",
     weights: Optional[torch.Tensor] = None,
     tile: Optional[int] = None,
+    dest_major: bool = False,
 ) -> DispatchResult:
     """First Triton dispatch (tile sort + scan), kept for comparison with `ranged_dispatch`.
 
     Same semantics as `reference.ranged_dispatch`. `tile` (a power of two) overrides the
     ids per tile; tests use small tiles to cover segments spanning several tiles.
+
+    ``dest_major`` ("v3"): per-tile counts laid out [dest][tile], so the output position
+    base of every (dest, tile) is one exclusive 1-D scan of the flattened matrix (a fast
+    innermost-dimension cumsum). The default [tile][dest] layout scans along dim 0, which
+    torch runs as one sequential loop per column (W threads walking every tile): the
+    likely reason v1 runs at ~2.4 G ids/s whatever W (kernels.json) — to be confirmed by
+    ``benchmarks/profile_dispatch.py`` on a GPU before v3 becomes the default.
     """
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     n, nseg, dev = values.numel(), num_keys * batch, values.device
@@ -252,18 +282,29 @@ def ranged_dispatch_v1(
     tiles = (tile_seg, tile_start, tile_end)
     common = dict(MODULO=mode == "modulo", TILE=tile, num_warps=4 if tile <= 1024 else 8)
 
-    counts = torch.empty((grid, world_size), dtype=torch.int32, device=dev)
+    common["DEST_MAJOR"] = dest_major
+    shape = (world_size, grid) if dest_major else (grid, world_size)
+    counts = torch.empty(shape, dtype=torch.int32, device=dev)
     _dispatch_count_kernel[(grid,)](
-        values, block_sizes, *tiles, counts, batch, world_size,
+        values, block_sizes, *tiles, counts, batch, world_size, grid,
         WP=max(32, triton.next_power_of_2(world_size)), **common,
     )  # fmt: skip
 
-    # Scan: earlier[t, d] = ids of owner d in tiles before t (the last row: totals).
     index_dtype = torch.int32 if n < 2**31 else torch.int64
-    earlier = torch.cumsum(counts, 0, dtype=index_dtype)
-    earlier -= counts
-    totals = earlier[-1]
-    dest_start = torch.cumsum(totals, 0, dtype=index_dtype) - totals
+    if dest_major:
+        # earlier[d, t] = output position of tile t's first id for owner d: ids of owners
+        # before d, plus ids of owner d in tiles before t (one exclusive 1-D scan)
+        flat = counts.view(-1)
+        earlier = torch.cumsum(flat, 0, dtype=index_dtype)
+        earlier -= flat
+        totals = counts.sum(1, dtype=torch.int64)
+        dest_start = earlier  # unused by the kernels in this layout
+    else:
+        # Scan: earlier[t, d] = ids of owner d in tiles before t (the last row: totals).
+        earlier = torch.cumsum(counts, 0, dtype=index_dtype)
+        earlier -= counts
+        totals = earlier[-1]
+        dest_start = torch.cumsum(totals, 0, dtype=index_dtype) - totals
 
     out_values = torch.empty_like(values)
     out_weights = None if weights is None else torch.empty_like(weights)
@@ -271,13 +312,14 @@ def ranged_dispatch_v1(
     _dispatch_scatter_kernel[(grid,)](
         values, values if weights is None else weights, block_sizes, *tiles, earlier,
         dest_start, out_values, out_values if out_weights is None else out_weights, perm,
-        batch, world_size, HAS_WEIGHTS=weights is not None, **common,
+        batch, world_size, grid, HAS_WEIGHTS=weights is not None, **common,
     )  # fmt: skip
 
     # Ids of segment s for owner d: the scan at s's first tile minus the one at s+1's.
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     _segment_lengths_kernel[(triton.cdiv(nseg, 32), triton.cdiv(world_size, 64))](
-        earlier, tile_first, new_lengths, nseg, world_size, BLOCK_S=32, BLOCK_D=64,
+        earlier, tile_first, new_lengths, nseg, world_size, grid, BLOCK_S=32, BLOCK_D=64,
+        DEST_MAJOR=dest_major,
     )  # fmt: skip
     return DispatchResult(
         values=out_values,
