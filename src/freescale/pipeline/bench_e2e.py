@@ -87,6 +87,8 @@ class _Reorder(TrainerHook):
     """A legal reordering: every rank trains its samples in a permuted order (fixed by
     seed, step and rank). Changes only summation orders: the NE noise floor."""
 
+    ahead_safe = True  # a pure function of the host batch: runs on the data-stage thread
+
     def on_batch(self, trainer: Trainer, step: int, batch: Any) -> Any:
         n = batch.batch_size
         if n < 2:
