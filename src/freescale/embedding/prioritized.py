@@ -19,13 +19,16 @@ Schedule of training step t (``forward(features_t, next_features=features_{t+1})
 
 (a) wait for and apply the deferred exclusive-gradient update of step t-1, with the
     step index and learning rate captured at t-1's forward;
-(b) lookahead (skipped on the last step, ``next_features is None``): id dist of t+1;
-    at the owner, mark t+1's ids whose row t touches (collision) and t's ids whose row
-    t+1 touches ("reappear"); one all-to-all sends both masks back to the requesters,
+(b) lookahead (skipped on the last step, ``next_features is None``), in two halves.
+    In t's forward: id dist of t+1; at the owner, mark t+1's ids whose row t touches
+    (collision) and t's ids whose row t+1 touches ("reappear"), and count them per
+    source — device work only. At the start of t's backward (before t's gradients are
+    exchanged): read the counts, one all-to-all sends both masks back to the requesters
     with the owner's counts appended: every rank then knows the global collision rate
     and takes the same guardrail decision before any exclusive lookup of t+1. If t+1
-    is prioritized: look up t+1's exclusive rows now and start sending them (side
-    communicator, asynchronous);
+    is prioritized: look up t+1's exclusive rows and start sending them (side
+    communicator, asynchronous). The split puts the two host read-backs where the side
+    stream's work is long finished, instead of before the dense forward is queued;
 (c) wait only for t's collision embeddings (sent by the backward of t-1) and t's
     exclusive embeddings (sent by (b) of t-1); merge them into batch-major order.
     Without a prioritized lookahead for t (first step, after :meth:`flush`, after a
@@ -47,10 +50,10 @@ s's update to row r between the reads of steps s and s+1. Here:
   between: step t+1 does not touch them, and the only other read issued before (a) of
   t+1 is (b) of t, whose exclusive lookup covers rows of t+1 only. Their next reader is
   some step s >= t+2, whose rows are looked up at (b) of s-1 >= t+1 *after* (a) of
-  s-1 (the order (a) -> (b) inside one forward is what the ``early_exclusive_lookup``
-  mutation breaks), or in the backward of s-1, later still. Example: a row in t-1 and
-  t+1 but not in t is exclusive for t+1; its t-1 update was deferred to (a) of t,
-  which runs before (b) of t looks it up for t+1.
+  s-1 (the order (a) -> (b) is what the ``early_exclusive_lookup`` mutation breaks: it
+  runs all of (b) in the forward before (a)), or in the backward of s-1, later still.
+  Example: a row in t-1 and t+1 but not in t is exclusive for t+1; its t-1 update was
+  deferred to (a) of t, which runs before (b) of t looks it up for t+1.
 * t+1's exclusive rows are read at (b) of t. Their last update before t+1 is from some
   step <= t-1 (t does not touch them), applied in that step's backward or at (a) of
   the next step <= t: all before (b) of t. Step t's own updates (collision rows in its
@@ -80,8 +83,8 @@ first waits for the compute stream; the compute stream waits on events recorded 
 themselves (``Awaitable.wait()`` makes the current stream wait). Tensors crossing
 streams are ``record_stream``-ed. ``debug_delay_s`` injects random ``torch.cuda._sleep``
 on the side stream (random host sleeps on CPU) so that a missing dependency would show.
-Limitation: (b) needs split sizes on the host (as any variable all-to-all does), so the
-host waits for the side stream there; running (b) from a helper thread would hide it.
+(b) needs split sizes on the host (as any variable all-to-all does); its second half
+reads them at the start of t's backward, when the first half's side-stream work is done.
 
 Not offered on this path: global gradient-norm clipping across embedding rows (it needs
 every gradient before any update). The embedding Function must sit outside any
@@ -197,6 +200,23 @@ class _Ahead:
 
 
 @dataclass
+class _PendingAhead:
+    """(b), first half, issued in t's forward: t+1's id dist and the collision masks at
+    the owner. The second half (read the counts, exchange the masks, split, send t+1's
+    exclusive rows) runs in t's backward (:meth:`PrioritizedEmbeddingCollection.
+    _look_ahead_finish`), so its two host read-backs wait for side-stream work long
+    finished instead of stalling the training thread before the dense forward."""
+
+    dist_t: _IdDist
+    dn: _IdDist
+    values: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    coll_n: torch.Tensor  # owner: ids of t+1 whose row t touches
+    reap_t: torch.Tensor  # owner: ids of t whose row t+1 touches
+    counts: torch.Tensor  # [reappear per source | collision per source | coll rows, rows]
+
+
+@dataclass
 class _GradSplit:
     """How step t's gradients split by t+1's rows (computed at (b) of t)."""
 
@@ -224,6 +244,7 @@ class _StepCtx:
     prev: _Ahead | None = None  # t's own lookahead (made by t-1), consumed by (c)
     stream: Any = None
     done: bool = False
+    pending: _PendingAhead | None = None  # t+1's lookahead, finished in t's backward
 
 
 @dataclass
@@ -374,6 +395,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # collision bitmap over the shard's rows; all False between uses
         self._bitmap = torch.zeros(self.plan.total_local_rows, dtype=torch.bool, device=self.device)
         self._ahead: _Ahead | None = None
+        self._pending: _PendingAhead | None = None  # t+1's lookahead until t's backward
         self._deferred: _Deferred | None = None
         self._open: _StepCtx | None = None  # forward done, backward not yet
         self._generation = 0
@@ -459,23 +481,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 self._record(self._side_stream, dist_t.recv_keys)
                 self._side_stream.wait_stream(compute)
 
-        split, nxt = None, None
-        if next_features is not None:  # (b)
+        split, nxt, pending = None, None, None
+        if next_features is not None:  # (b): first half now, second half in t's backward
             with self._on_side():
-                nxt, split = self._look_ahead(dist_t, next_features)
-                nxt.ready = self._event_on_side()
-            self._record(
-                compute,
-                nxt.dist.recv_keys,
-                nxt.dist.unbucketize,
-                nxt.merge_perm,
-                nxt.coll_keys,
-                *(
-                    (split.coll_pos, split.excl_pos, split.coll_keys, split.excl_keys)
-                    if split is not None
-                    else ()
-                ),
-            )
+                pending = self._look_ahead_start(dist_t, next_features)
+            if early:  # mutation: all of (b), exclusive lookup included, before (a)
+                nxt, split = self._look_ahead_finish(pending, compute)
+                pending = None
         if early:
             with self._on_side():
                 self._apply_deferred()
@@ -491,8 +503,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             ahead=nxt,
             prev=ahead,
             stream=compute,
+            pending=pending,
         )
-        self._ahead = nxt
+        self._ahead, self._pending = nxt, pending
         self._open = ctx
         flat = _PrioritizedExchange.apply(self._anchor, self, ctx)
         self._note_memory()
@@ -514,6 +527,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 if aw is not None:
                     aw.wait()
             self._ahead = None
+        self._pending = None  # its first half issued no collective still in flight
         if self._open is not None and not self._open.done:
             self._open.done = True  # its backward, should it run, is synchronous
         self._open = None
@@ -549,6 +563,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             out["collision_embeddings"] += _nbytes(a.coll_send_rows)
             if a.coll_aw is not None:
                 out["collision_embeddings"] += sum(a.coll_recv_splits) * self._row_bytes()
+        pa = self._pending  # t+1's lookahead between t's forward and t's backward
+        if pa is not None:
+            out["ids_ahead"] += _nbytes(pa.dn.recv_keys, pa.dn.unbucketize)
+            out["masks"] += _nbytes(pa.coll_n, pa.reap_t, pa.counts)
         c = self._open
         if c is not None and not c.done and c.split is not None:
             s = c.split
@@ -573,6 +591,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return (
             self._deferred is not None
             or self._ahead is not None
+            or self._pending is not None
             or (self._open is not None and not self._open.done)
         )
 
@@ -620,9 +639,31 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self._toc("deferred_update", t0)
 
     # (b) -------------------------------------------------------------------
-    def _look_ahead(
-        self, dist_t: _IdDist, next_features: Features
+    def _look_ahead_finish(
+        self, p: _PendingAhead, compute: Any
     ) -> tuple[_Ahead, _GradSplit | None]:
+        """(b), second half, on the side stream; the results are recorded for use on
+        the ``compute`` stream."""
+        with self._on_side():
+            nxt, split = self._look_ahead_rest(p)
+            nxt.ready = self._event_on_side()
+        self._record(
+            compute,
+            nxt.dist.recv_keys,
+            nxt.dist.unbucketize,
+            nxt.merge_perm,
+            nxt.coll_keys,
+            *(
+                (split.coll_pos, split.excl_pos, split.coll_keys, split.excl_keys)
+                if split is not None
+                else ()
+            ),
+        )
+        return nxt, split
+
+    def _look_ahead_start(self, dist_t: _IdDist, next_features: Features) -> _PendingAhead:
+        """(b), first half: t+1's id dist and the owner's collision masks and counts, all
+        on the device (no read-back)."""
         plan = self.plan
         dn = self.input_dist(next_features)
         values = [next_features[f][0] for f in plan.features]
@@ -645,9 +686,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         bm.index_fill_(0, keys_t, False)
         coll_rows = total_rows - bm.sum()
         bm.index_fill_(0, keys_n, False)
-        coll_y, reap_y, decision, sums = self._mask_exchange(
-            dist_t, dn, coll_n, reap_t, torch.stack([coll_rows, total_rows])
+        reap_per_src = _seg_sums(reap_t, dist_t.recv_splits)
+        coll_per_src = _seg_sums(coll_n, dn.recv_splits)
+        counts = torch.cat(
+            [reap_per_src, coll_per_src, torch.stack([coll_rows, total_rows]).to(torch.int64)]
         )
+        self._toc("collision_detect", t0)
+        return _PendingAhead(dist_t, dn, values, lengths, coll_n, reap_t, counts)
+
+    def _look_ahead_rest(self, p: _PendingAhead) -> tuple[_Ahead, _GradSplit | None]:
+        """(b), second half: read the counts (one read-back), exchange the masks (the
+        trailer is the second), split t's gradients, send t+1's exclusive rows."""
+        dist_t, dn, coll_n, reap_t = p.dist_t, p.dn, p.coll_n, p.reap_t
+        keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
+        values, lengths = p.values, p.lengths
+        t0 = self._tic()
+        coll_y, reap_y, decision, sums = self._mask_exchange(dist_t, dn, coll_n, reap_t, p.counts)
         tr, own = sums
         self._toc("collision_detect", t0)
         coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
@@ -720,7 +774,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         dn: _IdDist,
         coll_n: torch.Tensor,
         reap_t: torch.Tensor,
-        distinct: torch.Tensor,
+        counts: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
         """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
         t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
@@ -729,11 +783,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         same global rate and take the same guardrail decision."""
         w, dev = self.comm.world_size, self.device
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
-        reap_per_src = _seg_sums(reap_t, dist_t.recv_splits)
-        coll_per_src = _seg_sums(coll_n, dn.recv_splits)
         # one read-back: counts per source, then (collision rows, distinct rows of t+1)
-        both = torch.cat([reap_per_src, coll_per_src, distinct.to(reap_per_src.dtype)])
-        own = both.cpu().tolist()
+        own = counts.cpu().tolist()
         coll_rows, total_rows = own[2 * w], own[2 * w + 1]
         own = own[: 2 * w]
         totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
@@ -803,6 +854,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
+            if not stale and ctx.pending is not None:  # (b), second half
+                ctx.ahead, ctx.split = self._look_ahead_finish(ctx.pending, ctx.stream)
+                ctx.pending = None
+                self._ahead, self._pending = ctx.ahead, None
             if stale or ctx.split is None:
                 self._grad_exchange_and_update(ctx.dist, grad)
                 self.pstats.sync_steps += 1
