@@ -18,7 +18,10 @@ bitmap over the shard's rows. All occurrences of a row fall in the same subset.
 Schedule of training step t (``forward(features_t, next_features=features_{t+1})``):
 
 (a) wait for and apply the deferred exclusive-gradient update of step t-1, with the
-    step index and learning rate captured at t-1's forward;
+    step index and learning rate captured at t-1's forward — at the start of t's
+    backward, before (b)'s second half (a prioritized t reads no row in its forward, so
+    the wait, which blocks the host on the copy-engine backend, comes as late as
+    possible); a synchronous t applies it at the start of its forward instead;
 (b) lookahead (skipped on the last step, ``next_features is None``), in two halves.
     In t's forward: id dist of t+1; at the owner, mark t+1's ids whose row t touches
     (collision) and t's ids whose row t+1 touches ("reappear"), and count them per
@@ -46,12 +49,14 @@ s's update to row r between the reads of steps s and s+1. Here:
 
 * t's collision rows (in t and t+1) are updated in t's backward, before they are
   looked up for t+1 (in that same backward, after the update);
-* t's exclusive rows (in t, not in t+1) are updated at (a) of t+1. Nobody reads them in
-  between: step t+1 does not touch them, and the only other read issued before (a) of
-  t+1 is (b) of t, whose exclusive lookup covers rows of t+1 only. Their next reader is
-  some step s >= t+2, whose rows are looked up at (b) of s-1 >= t+1 *after* (a) of
-  s-1 (the order (a) -> (b) is what the ``early_exclusive_lookup`` mutation breaks: it
-  runs all of (b) in the forward before (a)), or in the backward of s-1, later still.
+* t's exclusive rows (in t, not in t+1) are updated at (a) of t+1 (the start of t+1's
+  backward). Nobody reads them in between: step t+1 does not touch them (its forward
+  reads no row: its rows came from (b) of t and t's backward), and the only other read
+  issued before (a) of t+1 is (b) of t, whose exclusive lookup covers rows of t+1 only.
+  Their next reader is some step s >= t+2, whose rows are looked up at (b) of
+  s-1 >= t+1 *after* (a) of s-1 (the order (a) -> (b) is what the
+  ``early_exclusive_lookup`` mutation breaks: it runs all of (b) in the forward before
+  (a)), or in the backward of s-1, later still.
   Example: a row in t-1 and t+1 but not in t is exclusive for t+1; its t-1 update was
   deferred to (a) of t, which runs before (b) of t looks it up for t+1.
 * t+1's exclusive rows are read at (b) of t. Their last update before t+1 is from some
@@ -471,9 +476,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             dist_t = replace(ahead.dist, step=self._step, lr=self._lr)
         else:
             dist_t = None
-        if not early:
+        # (a) runs at the start of t's backward, before (b)'s second half (the first read
+        # that needs it): a prioritized t reads no table row in its forward, so waiting
+        # for t-1's exclusive gradients here would only stall the host. A synchronous t
+        # reads rows now and applies any deferred update first (none is expected: a
+        # deferred update implies that t was looked ahead and prioritized).
+        if not early and (ahead is None or not ahead.prioritized):
             with self._on_side():
-                self._apply_deferred()  # (a)
+                self._apply_deferred()
         ev_a = self._event_on_side()
         if dist_t is None:  # no lookahead for t: id dist now, on the compute stream
             dist_t = self.input_dist(features)
@@ -854,6 +864,12 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
+            if self._deferred is not None and self._mutation != "early_exclusive_lookup":
+                with self._on_side():  # (a), before anything below reads or writes rows
+                    self._apply_deferred()
+                ev_a = self._event_on_side()
+                if ev_a is not None:
+                    ctx.stream.wait_event(ev_a)
             if not stale and ctx.pending is not None:  # (b), second half
                 ctx.ahead, ctx.split = self._look_ahead_finish(ctx.pending, ctx.stream)
                 ctx.pending = None
