@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
+#   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: tier-1
+#                                      # prioritized check (two-half lookahead), the kernels
+#                                      # incl. dispatch v3, per-kernel dispatch profile
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
@@ -21,6 +24,15 @@ STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
 E2E="python -m freescale.cli bench e2e --zipf-s 0.6"
 case "${1:-}" in
+verify)
+  timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
+  echo "check_prioritized_cuda rc=$?"; tail -8 "$OUT/verify_prioritized.log"
+  timeout 120 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
+  echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
+  timeout 200 python benchmarks/profile_dispatch.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | grep -E "device; top|MISMATCH|wrote"
+  ;;
 check)
   # the GPU paths not yet run on GPUs (host counts, host balancing, SM-free overlap),
   # and every device-sync call site of a vanilla and a freescale step (~2 min)
@@ -57,5 +69,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 verify|check|smoke|main|ablate" >&2; exit 2 ;;
 esac
