@@ -463,10 +463,8 @@ class Trainer:
         if all(_passes_batch(h) for h in self.hooks[n_ahead:]):
             counts = self._id_counts(batch, comm=self.data_comm)
             self.data_stage_counts += counts is not None
-        if batch.device.type == "cpu":
-            batch.extras["local_candidates"] = float(batch.num_candidates.sum())
-            if self.device.type == "cuda" and not _is_pinned(batch):
-                batch = batch.pin_memory()
+        if self.device.type == "cuda" and batch.device.type == "cpu" and not _is_pinned(batch):
+            batch = batch.pin_memory()  # so the training thread's copy is asynchronous
         self.data_stage_steps += 1
         return PreparedBatch(step, batch, counts)
 
