@@ -18,7 +18,7 @@ from freescale.embedding.collection import (
     init_table_rows,
 )
 from freescale.embedding.optim import FusedSparseOptimizer, row_mean_fixed_order
-from freescale.embedding.reduce import group_rows, segment_sum
+from freescale.embedding.reduce import group_rows, group_rows_reference, segment_sum
 
 
 def _seed() -> int:
@@ -41,6 +41,20 @@ def test_segment_sum_matches_float64_and_is_row_local():
     sub = group_rows(keys[keep])
     out_sub = segment_sum(vals[keep], sub)
     assert torch.equal(out_sub, out[::3])
+
+
+def test_group_rows_equals_its_reference_on_fresh_random_keys():
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    cases = [torch.zeros(0, dtype=torch.int64), torch.tensor([5]), torch.full((9,), 3)]
+    cases.append(torch.arange(50).flip(0))  # all distinct
+    for n, hi in ((1000, 7), (1000, 5000), (4097, 64), (300, 1 << 40)):
+        cases.append(torch.randint(0, hi, (n,), generator=g))
+    for keys in cases:
+        got, ref = group_rows(keys), group_rows_reference(keys)
+        for f in ("order", "rows", "starts", "counts"):
+            a, b = getattr(got, f), getattr(ref, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), (f, keys[:10])
+        assert got.max_count == ref.max_count, keys[:10]
 
 
 def test_segment_sum_empty_and_single():

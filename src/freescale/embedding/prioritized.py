@@ -113,6 +113,7 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.reference import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
+from .reduce import mask_positions
 from .sdd import SddEmbeddingCollection
 
 __all__ = [
@@ -292,21 +293,6 @@ def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     # non-blocking: a blocking host-to-device copy would synchronise the stream
     both = torch.stack([ends, starts]).to(mask.device, non_blocking=True)
     return cs[both[0]] - cs[both[1]]
-
-
-def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """``torch.nonzero(mask).squeeze(1)`` when the number of True entries (``count``) is
-    already known on the host: no device read-back (``nonzero`` and boolean indexing
-    synchronise the stream to learn their output size). Each True entry scatters its
-    position to its rank among the True entries; False entries go to a dump slot."""
-    n = mask.numel()
-    if count == n:
-        return torch.arange(n, device=mask.device)
-    m = mask.to(torch.int64)
-    target = torch.where(mask, torch.cumsum(m, 0) - 1, count)
-    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
-    out.scatter_(0, target, torch.arange(n, device=mask.device))
-    return out[:count]
 
 
 def _blocks(x: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ No atomics and no ``index_add_`` on floats.
 
 The tree runs as ``ceil(log2(max segment length))`` rounds of whole-tensor
 ``torch.where`` (no data-dependent shapes, no host synchronisation beyond reading the
-maximum segment length once).
+maximum segment length, with the row count, once).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowGroups", "group_rows", "segment_sum"]
+__all__ = ["RowGroups", "group_rows", "group_rows_reference", "mask_positions", "segment_sum"]
 
 
 @dataclass
@@ -34,8 +34,45 @@ class RowGroups:
     max_count: int
 
 
+def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``torch.nonzero(mask).squeeze(1)`` when the number of True entries (``count``) is
+    already known on the host: no device read-back (``nonzero`` and boolean indexing
+    synchronise the stream to learn their output size). Each True entry scatters its
+    position to its rank among the True entries; False entries go to a dump slot."""
+    n = mask.numel()
+    if count == n:
+        return torch.arange(n, device=mask.device)
+    m = mask.to(torch.int64)
+    target = torch.where(mask, torch.cumsum(m, 0) - 1, count)
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, target, torch.arange(n, device=mask.device))
+    return out[:count]
+
+
 def group_rows(keys: torch.Tensor) -> RowGroups:
-    """Stable-sort ``keys`` and find each unique key's segment."""
+    """Stable-sort ``keys`` and find each unique key's segment, with one device read-back
+    (the number of rows and the longest segment together; ``unique_consecutive`` and
+    ``counts.max()`` would read back twice). Equal to :func:`group_rows_reference`."""
+    keys = keys.to(torch.int64)
+    n = keys.numel()
+    if n == 0:
+        e = keys.new_zeros(0)
+        return RowGroups(e, e, e, e, 0)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    is_start = torch.ones(n, dtype=torch.bool, device=keys.device)
+    is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    idx = torch.arange(n, device=keys.device)
+    run_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
+    u, max_count = torch.stack([is_start.sum(), (idx - run_start).max() + 1]).tolist()
+    starts = mask_positions(is_start, u)
+    counts = torch.empty_like(starts)
+    counts[:-1] = starts[1:] - starts[:-1]
+    counts[-1:] = n - starts[-1:]
+    return RowGroups(order, sorted_keys.index_select(0, starts), starts, counts, max_count)
+
+
+def group_rows_reference(keys: torch.Tensor) -> RowGroups:
+    """The plain version of :func:`group_rows` (``unique_consecutive``; two read-backs)."""
     keys = keys.to(torch.int64)
     if keys.numel() == 0:
         e = keys.new_zeros(0)
