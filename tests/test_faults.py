@@ -169,10 +169,13 @@ def _cli(*extra: str) -> list[str]:
     return [sys.executable, "-m", "freescale.cli", "train", "--nproc", "2", *TINY, *extra]
 
 
-def test_killed_rank_ends_job_within_timeout(tmp_path):
+@pytest.mark.parametrize("data_thread", ["off", "on"])  # on: the GPU default
+def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     timeout = 15
     rc, out, after = _launch(
-        _cli("--timeout", str(timeout)), {"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1:3"}, tmp_path
+        _cli("--timeout", str(timeout), "--data-thread", data_thread),
+        {"FREESCALE_FAULT_KILL_RANK_AT_STEP": "1:3"},
+        tmp_path,
     )
     assert rc != 0, out
     assert after < timeout + SLACK_S, (after, out)
@@ -185,10 +188,11 @@ def test_killed_rank_ends_job_within_timeout(tmp_path):
     assert "ChildFailedError" in out and "SIGKILL" in out, out
 
 
-def test_hung_rank_times_out_with_names(tmp_path):
+@pytest.mark.parametrize("data_thread", ["off", "on"])
+def test_hung_rank_times_out_with_names(tmp_path, data_thread):
     timeout = 6
     rc, out, after = _launch(
-        _cli("--timeout", str(timeout)),
+        _cli("--timeout", str(timeout), "--data-thread", data_thread),
         {"FREESCALE_FAULT_HANG_RANK_AT_STEP": "1:3:60"},
         tmp_path,
     )
