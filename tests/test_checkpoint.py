@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import torch
 
 from freescale.balance.hook import BalanceHook
@@ -71,8 +72,9 @@ def resumed(rank, world, cfg, ckpt):
     return _full_state(tr), step
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(pool2, tmp_path):
-    cfg, k = _balanced_cfg(), 3
+@pytest.mark.parametrize("data_thread", [False, True])  # True: the GPU default
+def test_interrupted_and_resumed_equals_uninterrupted(pool2, tmp_path, data_thread):
+    cfg, k = dataclasses.replace(_balanced_cfg(), data_thread=data_thread), 3
     ck = str(tmp_path / "ck")
     full = pool2.run(uninterrupted, cfg, ck, k)
     assert sorted(os.listdir(ck)) == ["latest", "step_3", "step_6"]
