@@ -141,6 +141,22 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     add_balance_flags(p)
 
 
+def resolve_launch(args: argparse.Namespace) -> tuple[bool, bool]:
+    """(running under torchrun, training on GPUs); fills ``args.nproc`` when unset: the
+    torchrun world size, else one rank per GPU, else 2 CPU ranks."""
+    import torch
+
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.nproc is None:
+        args.nproc = (
+            int(os.environ["WORLD_SIZE"])
+            if in_torchrun
+            else (torch.cuda.device_count() if gpu else 2)
+        )
+    return in_torchrun, gpu
+
+
 def resolve_mode(args: argparse.Namespace) -> None:
     """``--mode freescale``: every technique on (prioritized updates, FBS balancing,
     SM-free overlapped traffic), each overridable by its own flag."""
@@ -311,16 +327,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
 
-    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.nproc is None:
-        args.nproc = (
-            int(os.environ["WORLD_SIZE"])
-            if in_torchrun
-            else (torch.cuda.device_count() if gpu else 2)
-        )
+    in_torchrun, gpu = resolve_launch(args)
     resolve_mode(args)
     cfg = build_train_config(args, gpu)
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -706,7 +706,13 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     """``freescale bench e2e --out DIR [--steps N] [--variants ...] [--nproc N]`` (plus
     every ``freescale train`` data / model flag; ``--mode`` and ``--balance`` are ignored:
     the variants set them)."""
-    from ..cli import _add_train_flags, build_train_config, launch_local, resolve_mode
+    from ..cli import (
+        _add_train_flags,
+        build_train_config,
+        launch_local,
+        resolve_launch,
+        resolve_mode,
+    )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="freescale bench e2e", description=__doc__.split("\n")[0])
@@ -737,14 +743,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     if args.merge:
         with open(args.merge) as f:
             merge = json.load(f)
-    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.nproc is None:
-        args.nproc = (
-            int(os.environ["WORLD_SIZE"])
-            if in_torchrun
-            else (torch.cuda.device_count() if gpu else 2)
-        )
+    in_torchrun, gpu = resolve_launch(args)
     args.no_progress = True
     resolve_mode(args)  # --overlap-backend given with --mode freescale applies to every variant
     cfg = build_train_config(args, gpu)
