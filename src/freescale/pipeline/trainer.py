@@ -1026,6 +1026,8 @@ def _start_profiler(device: torch.device) -> Any:
     acts = [ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(ProfilerActivity.CUDA)
-    prof = profile(activities=acts, record_shapes=False, with_stack=False)
+    # FREESCALE_PROFILE_STACK=1 records Python frames (benchmarks/trace_host.py reads them)
+    stack = os.environ.get("FREESCALE_PROFILE_STACK", "") not in ("", "0")
+    prof = profile(activities=acts, record_shapes=False, with_stack=stack)
     prof.start()
     return prof

@@ -1,0 +1,123 @@
+"""Where the GPU waits for the host: bubble time attributed to the training thread's
+Python frames, from a Chrome trace written with stacks.
+
+Run a profiled training with stacks, then this script on one rank's trace::
+
+    FREESCALE_PROFILE_STACK=1 python -m freescale.cli train --device cuda --nproc 2 \
+        --steps 40 --profile-steps 5 --trace-dir DIR --mode freescale
+    python benchmarks/trace_host.py DIR/trace_rank0.json --steps 5
+
+Method: the GPU's busy time is the union of kernels, memcpys and memsets on the device
+(every stream, communication included); every gap in it is a bubble. Each gap is sampled
+every 50 us and each sample is charged to what the training thread (the one that opened
+``freescale/forward``) was doing at that instant: its innermost ``freescale`` frame (and
+that frame's caller), or "(no python frame)". A second table charges the host-blocking
+CUDA runtime calls (stream/event/device synchronize, memcpy) the same way. Both are
+milliseconds per profiled step. A diagnostic, not a figure: it writes nothing but stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_BLOCKING = ("Synchronize", "cudaMemcpy")
+SAMPLE_US = 50.0
+
+
+def gaps(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Gaps between the merged busy intervals (first start to last end)."""
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] > a[1]]
+
+
+def stacks_at(frames: Sequence[dict], times: Sequence[float]) -> list[list[dict]]:
+    """The properly nested events containing each time (outermost first); one sweep."""
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    evs = sorted(frames, key=lambda e: (e["ts"], -e["dur"]))
+    out: list[list[dict]] = [[] for _ in times]
+    stack: list[dict] = []
+    j = 0
+    for i in order:
+        t = times[i]
+        while j < len(evs) and evs[j]["ts"] <= t:
+            e = evs[j]
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            stack.append(e)
+            j += 1
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= t:
+            stack.pop()
+        out[i] = [e for e in stack if e["ts"] + e["dur"] > t]
+    return out
+
+
+def label(stack: list[dict]) -> str:
+    """Innermost freescale frame and its caller; else the innermost frame."""
+    ours = [e["name"] for e in stack if "freescale" in e["name"]]
+    if ours:
+        return " < ".join(reversed(ours[-2:]))
+    return stack[-1]["name"] if stack else "(no python frame)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, required=True, help="profiled steps in the trace")
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args(argv)
+    events = [e for e in json.load(open(a.trace))["traceEvents"] if e.get("ph") == "X"]
+    main_tid = next((e["pid"], e["tid"]) for e in events if e.get("name") == "freescale/forward")
+    on_main = [e for e in events if (e.get("pid"), e.get("tid")) == main_tid]
+    frames = [e for e in on_main if e.get("cat") == "python_function"]
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in _GPU_CATS]
+    holes = gaps(gpu)
+    samples = [
+        s + SAMPLE_US * (k + 0.5) for s, e in holes for k in range(int((e - s) // SAMPLE_US))
+    ]
+    per = a.steps * 1000.0
+    bubble: dict[str, float] = defaultdict(float)
+    for st in stacks_at(frames, samples):
+        bubble[label(st)] += SAMPLE_US / per
+    ops: dict[str, float] = defaultdict(float)
+    cpu_ops = [e for e in on_main if e.get("cat") == "cpu_op"]
+    for st in stacks_at(cpu_ops, samples):
+        ops[st[-1]["name"] if st else "(no op)"] += SAMPLE_US / per
+    total = sum(e - s for s, e in holes) / per
+    print(f"GPU gaps: {len(holes)} totalling {total:.2f} ms/step; sampled {len(samples)} points")
+    for name, ms in sorted(bubble.items(), key=lambda kv: -kv[1])[: a.top]:
+        print(f"  {ms:7.2f} ms/step  {name}")
+    print("the same gaps by the innermost aten op running on the training thread:")
+    for name, ms in sorted(ops.items(), key=lambda kv: -kv[1])[: a.top]:
+        print(f"  {ms:7.2f} ms/step  {name}")
+    calls = [
+        e
+        for e in on_main
+        if e.get("cat") == "cuda_runtime" and any(b in e["name"] for b in _BLOCKING)
+    ]
+    blocked: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    mids = [e["ts"] + e["dur"] / 2 for e in calls]
+    for e, st in zip(calls, stacks_at(frames, mids)):
+        b = blocked[f"{e['name']} @ {label(st)}"]
+        b[0] += e["dur"] / per
+        b[1] += 1
+    print("host-blocking CUDA runtime calls on the training thread (ms/step, calls/step):")
+    for name, (ms, n) in sorted(blocked.items(), key=lambda kv: -kv[1][0])[: a.top]:
+        print(f"  {ms:7.2f} ms/step {n / a.steps:5.1f}/step  {name}")
+    ranges: dict[str, float] = defaultdict(float)
+    for e in on_main:
+        if e.get("cat") == "user_annotation" and e["name"].startswith("freescale/"):
+            ranges[e["name"]] += e["dur"] / per
+    print("host time per range:", {k: round(v, 2) for k, v in sorted(ranges.items())})
+
+
+if __name__ == "__main__":
+    main()
