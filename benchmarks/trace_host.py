@@ -87,16 +87,36 @@ def main(argv: list[str] | None = None) -> None:
     bubble: dict[str, float] = defaultdict(float)
     for st in stacks_at(frames, samples):
         bubble[label(st)] += SAMPLE_US / per
-    ops: dict[str, float] = defaultdict(float)
-    cpu_ops = [e for e in on_main if e.get("cat") == "cpu_op"]
-    for st in stacks_at(cpu_ops, samples):
-        ops[st[-1]["name"] if st else "(no op)"] += SAMPLE_US / per
+    # the other host threads of this process (autograd's device thread runs backward)
+    threads: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "python_function") and e.get("pid") == main_tid[0]:
+            threads[(e["tid"], e["cat"])].append(e)
+    per_thread: dict[str, float] = defaultdict(float)
+    for (tid, cat), evs in threads.items():
+        tag = "main" if tid == main_tid[1] else f"tid {tid}"
+        for st in stacks_at(evs, samples):
+            if cat == "cpu_op":
+                per_thread[f"{tag} op: {st[-1]['name'] if st else '(idle)'}"] += SAMPLE_US / per
+            elif tag != "main":
+                per_thread[f"{tag} py: {label(st)}"] += SAMPLE_US / per
+    busy: dict[str, float] = defaultdict(float)
+    for (tid, cat), evs in threads.items():
+        if cat == "cpu_op":
+            tag = "main" if tid == main_tid[1] else f"tid {tid}"
+            top = [e for e, st in zip(evs, stacks_at(evs, [e["ts"] for e in evs])) if len(st) <= 1]
+            busy[tag] = sum(e["dur"] for e in top) / per
     total = sum(e - s for s, e in holes) / per
     print(f"GPU gaps: {len(holes)} totalling {total:.2f} ms/step; sampled {len(samples)} points")
     for name, ms in sorted(bubble.items(), key=lambda kv: -kv[1])[: a.top]:
         print(f"  {ms:7.2f} ms/step  {name}")
-    print("the same gaps by the innermost aten op running on the training thread:")
-    for name, ms in sorted(ops.items(), key=lambda kv: -kv[1])[: a.top]:
+    print(
+        "host busy in top-level ops per thread (ms/step):",
+        {k: round(v, 2) for k, v in busy.items()},
+    )
+    print("the same gaps by each host thread's innermost op (or its Python frames):")
+    shown = {k: v for k, v in per_thread.items() if "(idle)" not in k and "faults.py" not in k}
+    for name, ms in sorted(shown.items(), key=lambda kv: -kv[1])[: 2 * a.top]:
         print(f"  {ms:7.2f} ms/step  {name}")
     calls = [
         e
