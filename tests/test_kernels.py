@@ -143,8 +143,10 @@ def test_dispatch_baselines_match_reference(gen, impl, mode):
 @needs_triton
 @pytest.mark.parametrize("world", [1, 3, 8, 1024])
 @pytest.mark.parametrize("mode", ["block", "modulo"])
-@pytest.mark.parametrize("dest_major", [False, True], ids=["v1", "v3"])
-def test_dispatch_triton_v1_matches_reference(gen, world, mode, dest_major):
+@pytest.mark.parametrize(
+    "dest_major,head_load", [(False, False), (True, False), (True, True)], ids=["v1", "v3", "v3h"]
+)
+def test_dispatch_triton_v1_matches_reference(gen, world, mode, dest_major, head_load):
     triton_impl = _triton()
     for i, tile in enumerate((16, None, 64)):  # 16: segments span several tiles
         case = random_dispatch_case(
@@ -153,8 +155,9 @@ def test_dispatch_triton_v1_matches_reference(gen, world, mode, dest_major):
         args = (case.values, case.lengths, case.block_sizes, world)
         expected = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
         actual = triton_impl.ranged_dispatch_v1(
-            *args, mode=mode, weights=case.weights, tile=tile, dest_major=dest_major
-        )
+            *args, mode=mode, weights=case.weights, tile=tile, dest_major=dest_major,
+            head_load=head_load,
+        )  # fmt: skip
         assert_dispatch_equal(expected, actual, f"tile={tile} {case.describe()}")
 
 

@@ -160,6 +160,7 @@ def _dispatch_scatter_kernel(
     HAS_WEIGHTS: tl.constexpr,
     TILE: tl.constexpr,
     DEST_MAJOR: tl.constexpr,
+    HEAD_LOAD: tl.constexpr = False,
 ):
     pid, start, lane, mask, blk, ids = _tile_ids(
         values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
@@ -173,7 +174,13 @@ def _dispatch_scatter_kernel(
     _, run = tl.associative_scan((sdest, tl.full([TILE], 1, tl.int32)), 0, _run_count)
     valid = sdest < world_size
     off = _count_offset(pid, sdest, world_size, num_tiles, DEST_MAJOR)
-    base = tl.load(earlier_ptr + off, mask=valid, other=0)
+    if HEAD_LOAD:
+        # one load per run of equal dests (its first lane), spread over the run by the
+        # same segmented sum: fewer scattered reads of the scan matrix when runs are long
+        head = tl.load(earlier_ptr + off, mask=valid & (run == 1), other=0)
+        _, base = tl.associative_scan((sdest, head), 0, _run_count)
+    else:
+        base = tl.load(earlier_ptr + off, mask=valid, other=0)
     if not DEST_MAJOR:  # dest-major: the scan over [dest][tile] already holds dest's start
         base += tl.load(dest_start_ptr + sdest, mask=valid, other=0)
     pos = base.to(tl.int64) + (run - 1)
@@ -239,6 +246,8 @@ def ranged_dispatch_v1(
     weights: Optional[torch.Tensor] = None,
     tile: Optional[int] = None,
     dest_major: bool = False,
+    num_warps: Optional[int] = None,
+    head_load: bool = False,
 ) -> DispatchResult:
     """First Triton dispatch (tile sort + scan), kept for comparison with `ranged_dispatch`.
 
@@ -251,6 +260,10 @@ def ranged_dispatch_v1(
     torch runs as one sequential loop per column (W threads walking every tile): the
     likely reason v1 runs at ~2.4 G ids/s whatever W (kernels.json) — to be confirmed by
     ``benchmarks/profile_dispatch.py`` on a GPU before v3 becomes the default.
+
+    ``num_warps`` overrides the warps per tile program; ``head_load`` reads the scan
+    matrix once per run of equal owners in a tile instead of once per id (tuning knobs,
+    same results; ``benchmarks/tune_dispatch.py`` times them).
     """
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     n, nseg, dev = values.numel(), num_keys * batch, values.device
@@ -280,7 +293,8 @@ def ranged_dispatch_v1(
         TILE=tile, SEARCH_ITERS=(nseg + 1).bit_length() + 1, BLOCK=1024, num_warps=4,
     )  # fmt: skip
     tiles = (tile_seg, tile_start, tile_end)
-    common = dict(MODULO=mode == "modulo", TILE=tile, num_warps=4 if tile <= 1024 else 8)
+    warps = num_warps or (4 if tile <= 1024 else 8)
+    common = dict(MODULO=mode == "modulo", TILE=tile, num_warps=warps)
 
     common["DEST_MAJOR"] = dest_major
     shape = (world_size, grid) if dest_major else (grid, world_size)
@@ -312,7 +326,8 @@ def ranged_dispatch_v1(
     _dispatch_scatter_kernel[(grid,)](
         values, values if weights is None else weights, block_sizes, *tiles, earlier,
         dest_start, out_values, out_values if out_weights is None else out_weights, perm,
-        batch, world_size, grid, HAS_WEIGHTS=weights is not None, **common,
+        batch, world_size, grid, HAS_WEIGHTS=weights is not None, HEAD_LOAD=head_load,
+        **common,
     )  # fmt: skip
 
     # Ids of segment s for owner d: the scan at s's first tile minus the one at s+1's.
