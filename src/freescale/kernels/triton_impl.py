@@ -226,14 +226,20 @@ def _segment_lengths_kernel(
     tl.store(out_ptr + out_offs, (hi - lo).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_tile(world_size: int, device: torch.device) -> int:
-    """Ids per tile: larger tiles for larger W keep the counts matrix (tiles x W) small.
+def default_tile(world_size: int, device: torch.device, n: int = 0) -> int:
+    """Ids per tile of the tile-sort kernels (v1/v3), from benchmarks/tune_dispatch.py on
+    an H200 (results/dispatch_tune.json): the per-tile sort dominates and its cost per id
+    grows with the tile, so at 2^26 ids 512-id tiles are 2x (W=1024) to 1.9x (W=8)
+    faster than 1024/2048 even though the counts matrix (W x tiles) grows; at ~1M ids
+    (one rank's batch) every tile from 128 to 1024 lands within noise of 0.22-0.25 ms
+    (launch-bound) and 1024 keeps the matrix small. ``world_size`` is kept for callers.
 
     On CPU (interpreter mode) tiles are tiny: interpreting a 1024-wide sort takes seconds.
     """
+    del world_size
     if device.type == "cpu":
         return 32
-    return 1024 if world_size <= 64 else 2048
+    return 512 if n > (1 << 22) else 1024
 
 
 def ranged_dispatch_v1(
@@ -271,7 +277,7 @@ def ranged_dispatch_v1(
         return reference.ranged_dispatch(
             values, lengths, block_sizes, world_size, mode=mode, weights=weights
         )
-    tile = tile or default_tile(world_size, dev)
+    tile = tile or default_tile(world_size, dev, n)
     if tile & (tile - 1) or tile < 16:
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     if (world_size + 1) * tile >= 2**31:
