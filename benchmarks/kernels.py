@@ -375,7 +375,7 @@ def _git_sha(explicit: Optional[str]) -> Optional[str]:
 
 def _headline(rows: list[dict]) -> dict:
     """Headline of the dispatch kernel training uses on CUDA (``ops.ranged_dispatch``:
-    the tile-sort v1 unless FREESCALE_TRITON_DISPATCH=v2), plus the sort-free v2's."""
+    v3 unless FREESCALE_TRITON_DISPATCH says v1 or v2), plus the other kernels'."""
 
     def row(workload: str, world: int) -> dict:
         for r in rows:
@@ -400,19 +400,23 @@ def _headline(rows: list[dict]) -> dict:
             "dispatch_fraction_of_hbm_floor": ratio(floor, big.get(key)),
         }
 
-    v1 = "triton_v1_ms" if any("triton_v1_ms" in r for r in rows) else "triton_ms"
-    out = fig(v1)
-    if v1 != "triton_ms":
+    have = {k for r in rows for k in ("triton_v1_ms", "triton_v3_ms") if k in r}
+    if "triton_v3_ms" in have:  # v3 trains on CUDA (ops.ranged_dispatch)
+        out = fig("triton_v3_ms")
+        out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
+        kernel = "v3 (tile sort + dest-major scan; what training dispatches on CUDA)"
+    else:  # files written before v3 existed: v1 trained then
+        out = fig("triton_v1_ms" if "triton_v1_ms" in have else "triton_ms")
+        kernel = "v1 (tile sort; what training dispatched on CUDA then)"
+    if have:
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
-    if any("triton_v3_ms" in r for r in rows):  # v1 with the dest-major scan
-        out.update({f"{k}_v3": v for k, v in fig("triton_v3_ms").items()})
-    out["kernel"] = "v1 (tile sort; what training dispatches on CUDA)"
+    out["kernel"] = kernel
     out["definition"] = (
         "speedups: ranged_dispatch, per_rank workload (one rank's batch, 128 samples x 4 "
         "keys, mean UIH 2048), naive eager or vectorized time / Triton time; fraction: "
         "large workload (2^26 ids) at W=1024, HBM floor time (bytes read+written / "
-        "measured device copy bandwidth) / Triton time; *_v2: the sort-free kernel; "
-        "*_v3: v1 with the dest-major count scan (FREESCALE_TRITON_DISPATCH=v3)"
+        "measured device copy bandwidth) / Triton time; unsuffixed: the kernel named in "
+        "'kernel'; *_v1: tile sort with the [tile][dest] scan; *_v2: the sort-free kernel"
     )
     return out
 
@@ -490,8 +494,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = json.loads(args.rehead.read_text())
         res["headline"] = _headline(res["rows"])
         res.setdefault("notes", []).append(
-            "headline recomputed from the rows by `kernels.py --rehead` (v1 = the kernel "
-            "training dispatches; *_v2 = sort-free)"
+            "headline recomputed from the rows by `kernels.py --rehead` (unsuffixed = "
+            "the kernel training dispatches, see 'kernel')"
         )
         args.rehead.write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res["headline"], indent=2))
