@@ -8,18 +8,31 @@ row's segment. The result for a row depends only on that row's gradients and the
 order: not on which other rows are in the call, how many there are, or the device.
 No atomics and no ``index_add_`` on floats.
 
-The tree runs as ``ceil(log2(max segment length))`` rounds of whole-tensor
-``torch.where`` (no data-dependent shapes, no host synchronisation beyond reading the
-maximum segment length, with the row count, once).
+The reference (`segment_sum_reference`) runs the tree as ``ceil(log2(max segment
+length))`` rounds of whole-tensor ``torch.where`` (no data-dependent shapes, no host
+synchronisation beyond reading the maximum segment length, with the row count, once):
+~7 launches and a full pass over the [N, D] gradients per round. On CUDA `segment_sum`
+uses the Triton version (`kernels/segment_tree.py`: one launch per 32x of segment
+length, each gradient read once), bitwise equal to the reference.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowGroups", "group_rows", "group_rows_reference", "mask_positions", "segment_sum"]
+__all__ = [
+    "RowGroups",
+    "group_rows",
+    "group_rows_reference",
+    "mask_positions",
+    "segment_sum",
+    "segment_sum_reference",
+]
+
+SEGMENT_SUM_ENV_VAR = "FREESCALE_SEGMENT_SUM"  # auto | reference | triton
 
 
 @dataclass
@@ -83,9 +96,34 @@ def group_rows_reference(keys: torch.Tensor) -> RowGroups:
     return RowGroups(order, rows, starts, counts, int(counts.max()))
 
 
-def segment_sum(values: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+def segment_sum(values: torch.Tensor, groups: RowGroups, backend: str = "auto") -> torch.Tensor:
     """Per-row sums of ``values`` (``[N, D]``, in the *unsorted* id order) -> ``[U, D]``,
-    rows in ``groups.rows`` order, by the fixed pairwise tree described above."""
+    rows in ``groups.rows`` order, by the fixed pairwise tree described above.
+
+    ``backend``: ``auto`` (``$FREESCALE_SEGMENT_SUM`` if set, else Triton for float32 /
+    float64 CUDA tensors, the reference otherwise), ``reference`` or ``triton`` (on CPU
+    tensors only under ``TRITON_INTERPRET=1``, as the tests run it)."""
+    if backend == "auto":
+        backend = os.environ.get(SEGMENT_SUM_ENV_VAR, "auto")
+    if backend == "auto":  # never imports triton for CPU tensors (interpreter mode)
+        from freescale.kernels.common import triton_available
+
+        fast = values.dtype in (torch.float32, torch.float64)
+        use = values.is_cuda and fast and triton_available()
+        backend = "triton" if use else "reference"
+    if backend == "reference":
+        return segment_sum_reference(values, groups)
+    if backend != "triton":
+        raise ValueError(f"segment_sum backend must be auto, reference or triton: {backend!r}")
+    from freescale.kernels.segment_tree import segment_tree_sum
+
+    if groups.rows.numel() == 0:
+        return values.new_zeros((0, *values.shape[1:]))
+    return segment_tree_sum(values, groups.order, groups.starts, groups.counts, groups.max_count)
+
+
+def segment_sum_reference(values: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    """The plain version of :func:`segment_sum`: the tree as whole-tensor rounds."""
     if groups.rows.numel() == 0:
         return values.new_zeros((0, *values.shape[1:]))
     buf = values.index_select(0, groups.order)

@@ -1,0 +1,144 @@
+"""Triton fast path of the per-row gradient sum (`embedding.reduce.segment_sum`).
+
+Owns one kernel and its level loop. The semantics are `reduce.segment_sum_reference`'s,
+bit for bit: each row's gradients (in stable sorted order) summed by the pairwise tree
+over their index inside the row's segment — at stride s, element i (i % 2s == 0) adds
+element i + s when it exists. Two facts make a chunked version exact:
+
+* the tree's first log2(C) levels stay inside aligned chunks of C elements, and the
+  later levels combine the chunk sums by the same pairwise rule over chunk indices; so
+  the sum of a segment of c elements is the same tree applied to its ceil(c / C) chunk
+  sums — one kernel launch per level, ceil(log_C(longest segment)) levels;
+* a missing right partner ("pass through") equals adding -0.0, the exact additive
+  identity of IEEE round-to-nearest (x + -0.0 == x bitwise, for x = -0.0 too), so a
+  chunk is loaded with -0.0 in its empty lanes and reduced as a full power-of-two tree.
+
+Adds are in the values' dtype (float32 or float64; other dtypes use the reference).
+Deterministic: no atomics; each output element has one writer. On CPU tensors this
+module needs ``TRITON_INTERPRET=1`` set before triton is first imported (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["segment_tree_sum", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+
+@triton.jit(do_not_specialize=["num_segments", "dim"])
+def _chunk_tree_kernel(
+    src_ptr,
+    gather_ptr,
+    starts_ptr,
+    counts_ptr,
+    chunk_first_ptr,
+    out_ptr,
+    num_segments,
+    dim,
+    GATHER: tl.constexpr,
+    IS64: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG_CHUNK: tl.constexpr,
+    BD: tl.constexpr,
+    SEARCH_ITERS: tl.constexpr,
+):
+    """Program (j, d-block): output row j = the tree sum of chunk j, where segment s
+    owns output rows [chunk_first[s], chunk_first[s + 1]) and its chunk m covers the
+    segment's elements [m * CHUNK, (m + 1) * CHUNK)."""
+    j = tl.program_id(0)
+    live = j < tl.load(chunk_first_ptr + num_segments)  # grid is an upper bound
+    # segment of chunk j: the first s with chunk_first[s + 1] > j (binary search)
+    lo = j * 0
+    hi = lo + num_segments
+    for _ in tl.static_range(SEARCH_ITERS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        go_right = tl.load(chunk_first_ptr + mid + 1, mask=active, other=0) <= j
+        lo = tl.where(active & go_right, mid + 1, lo)
+        hi = tl.where(active & ~go_right, mid, hi)
+    seg = tl.minimum(lo, num_segments - 1)
+    m = j - tl.load(chunk_first_ptr + seg)
+    start = tl.load(starts_ptr + seg)
+    count = tl.load(counts_ptr + seg)
+    lane = tl.arange(0, CHUNK)
+    local = m * CHUNK + lane
+    valid = (local < count) & live
+    rows = start + local
+    if GATHER:
+        rows = tl.load(gather_ptr + rows, mask=valid, other=0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cols < dim
+    m2 = valid[:, None] & cmask[None, :]
+    x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * dim + cols[None, :], mask=m2, other=0.0)
+    # empty lanes hold -0.0, built from its bit pattern (a -0.0 literal or a negated
+    # zero can come out as +0.0: constant folding / negation lowered as 0 - x)
+    if IS64:
+        nz = tl.full([CHUNK, BD], -9223372036854775808, tl.int64).to(tl.float64, bitcast=True)
+    else:
+        nz = tl.full([CHUNK, BD], -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    x = tl.where(m2, x, nz)
+    # pairwise tree over the chunk: rows (2i, 2i+1), then (4i, 4i+2), ...
+    xt = tl.trans(x)  # [BD, CHUNK]
+    for lvl in tl.static_range(LOG_CHUNK):
+        pairs = tl.reshape(xt, [BD, CHUNK >> (lvl + 1), 2])
+        a, b = tl.split(pairs)
+        xt = a + b
+    total = tl.reshape(xt, [BD])
+    tl.store(out_ptr + j.to(tl.int64) * dim + cols, total, mask=cmask & live)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.numel() + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(x, 0, out=out[1:])
+    return out
+
+
+def segment_tree_sum(
+    values: torch.Tensor,
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    max_count: int,
+    *,
+    chunk: int = 32,
+) -> torch.Tensor:
+    """Per-segment tree sums: row s of the result sums ``values[order[starts[s] + i]]``
+    for i < counts[s] by the fixed pairwise tree (module docstring). ``values`` is
+    [N, D] (or [N]); ``max_count`` is ``counts.max()`` (known on the host: no read-back).
+    ``chunk`` (a power of two >= 2) only changes speed, never the result."""
+    if chunk < 2 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 2, got {chunk}")
+    if values.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"segment_tree_sum supports {SUPPORTED_DTYPES}, got {values.dtype}")
+    flat = values.reshape(values.shape[0], -1).contiguous()
+    n, dim = flat.shape
+    u = counts.numel()
+    if u == 0:
+        return values.new_zeros((0, *values.shape[1:]))
+    bd = min(128, triton.next_power_of_2(max(dim, 1)))
+    log_chunk = chunk.bit_length() - 1
+    src, gather = flat, order.to(torch.int64).contiguous()
+    starts, counts = starts.to(torch.int64), counts.to(torch.int64)
+    longest = max(int(max_count), 1)
+    first = True
+    while True:
+        per_seg = torch.div(counts + (chunk - 1), chunk, rounding_mode="floor")
+        chunk_first = _exclusive_cumsum(per_seg)
+        # rows this level writes: sum(ceil(c / chunk)) <= n // chunk + u (no read-back)
+        grid = min(n, n // chunk + u)
+        out = torch.empty(grid, dim, dtype=flat.dtype, device=flat.device)
+        _chunk_tree_kernel[(grid, triton.cdiv(dim, bd))](
+            src, gather, starts, counts, chunk_first, out, u, dim,
+            GATHER=first, IS64=flat.dtype == torch.float64, CHUNK=chunk, LOG_CHUNK=log_chunk, BD=bd,
+            SEARCH_ITERS=(u + 1).bit_length() + 1,
+        )  # fmt: skip
+        longest = -(-longest // chunk)
+        if longest <= 1:  # one chunk per segment: row chunk_first[s] is segment s's sum
+            res = out.index_select(0, chunk_first[:-1])
+            return res.reshape(u, *values.shape[1:])
+        src, n, first = out, grid, False
+        starts, counts = chunk_first[:-1], per_seg
