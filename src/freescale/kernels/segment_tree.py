@@ -36,6 +36,7 @@ def _chunk_tree_kernel(
     starts_ptr,
     counts_ptr,
     chunk_first_ptr,
+    chunk_seg_ptr,
     out_ptr,
     num_segments,
     dim,
@@ -44,23 +45,13 @@ def _chunk_tree_kernel(
     CHUNK: tl.constexpr,
     LOG_CHUNK: tl.constexpr,
     BD: tl.constexpr,
-    SEARCH_ITERS: tl.constexpr,
 ):
-    """Program (j, d-block): output row j = the tree sum of chunk j, where segment s
-    owns output rows [chunk_first[s], chunk_first[s + 1]) and its chunk m covers the
-    segment's elements [m * CHUNK, (m + 1) * CHUNK)."""
+    """Program (j, d-block): output row j = the tree sum of chunk j of segment
+    chunk_seg[j]; segment s owns output rows [chunk_first[s], chunk_first[s + 1]) and
+    its chunk m covers the segment's elements [m * CHUNK, (m + 1) * CHUNK)."""
     j = tl.program_id(0)
     live = j < tl.load(chunk_first_ptr + num_segments)  # grid is an upper bound
-    # segment of chunk j: the first s with chunk_first[s + 1] > j (binary search)
-    lo = j * 0
-    hi = lo + num_segments
-    for _ in tl.static_range(SEARCH_ITERS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        go_right = tl.load(chunk_first_ptr + mid + 1, mask=active, other=0) <= j
-        lo = tl.where(active & go_right, mid + 1, lo)
-        hi = tl.where(active & ~go_right, mid, hi)
-    seg = tl.minimum(lo, num_segments - 1)
+    seg = tl.load(chunk_seg_ptr + j)
     m = j - tl.load(chunk_first_ptr + seg)
     start = tl.load(starts_ptr + seg)
     count = tl.load(counts_ptr + seg)
@@ -130,11 +121,15 @@ def segment_tree_sum(
         chunk_first = _exclusive_cumsum(per_seg)
         # rows this level writes: sum(ceil(c / chunk)) <= n // chunk + u (no read-back)
         grid = min(n, n // chunk + u)
+        # segment of every chunk: s at chunk_first[s], carried forward by a running max
+        # (no per-program binary search: its dependent loads dominated on an H200)
+        chunk_seg = torch.zeros(grid, dtype=torch.int64, device=flat.device)
+        chunk_seg.scatter_(0, chunk_first[:-1], torch.arange(u, device=flat.device))
+        chunk_seg = torch.cummax(chunk_seg, 0).values
         out = torch.empty(grid, dim, dtype=flat.dtype, device=flat.device)
         _chunk_tree_kernel[(grid, triton.cdiv(dim, bd))](
-            src, gather, starts, counts, chunk_first, out, u, dim,
+            src, gather, starts, counts, chunk_first, chunk_seg, out, u, dim,
             GATHER=first, IS64=flat.dtype == torch.float64, CHUNK=chunk, LOG_CHUNK=log_chunk, BD=bd,
-            SEARCH_ITERS=(u + 1).bit_length() + 1,
         )  # fmt: skip
         longest = -(-longest // chunk)
         if longest <= 1:  # one chunk per segment: row chunk_first[s] is segment s's sum

@@ -59,7 +59,10 @@ def _tile_table_kernel(
     SEARCH_ITERS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Tile j -> (segment, first id, end id); spare tiles past the last one are empty."""
+    """Tile j -> (segment, first id, end id); spare tiles past the last one are empty.
+
+    ``SEARCH_ITERS`` is fixed by the callers (32: up to 2^31 segments; extra rounds are
+    masked no-ops) so a batch size that changes per step (VBS) compiles no new variant."""
     tile = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_grid = tile < num_tiles
     # seg = last s in [0, num_segments] with tile_first[s] <= tile (binary search).
@@ -296,7 +299,7 @@ def ranged_dispatch_v1(
     tile_end = torch.empty(grid, dtype=torch.int64, device=dev)
     _tile_table_kernel[(triton.cdiv(grid, 1024),)](
         seg_offsets, tile_first, tile_seg, tile_start, tile_end, nseg, grid,
-        TILE=tile, SEARCH_ITERS=(nseg + 1).bit_length() + 1, BLOCK=1024, num_warps=4,
+        TILE=tile, SEARCH_ITERS=32, BLOCK=1024, num_warps=4,
     )  # fmt: skip
     tiles = (tile_seg, tile_start, tile_end)
     warps = num_warps or (4 if tile <= 1024 else 8)
@@ -601,7 +604,7 @@ def ranged_dispatch(
     chunk_end = torch.empty(num_chunks, dtype=torch.int64, device=dev)
     _tile_table_kernel[(triton.cdiv(num_chunks, 1024),)](
         seg_offsets, chunk_first, chunk_seg, chunk_start, chunk_end, nseg, num_chunks,
-        TILE=chunk, SEARCH_ITERS=(nseg + 1).bit_length() + 1, BLOCK=1024, num_warps=4,
+        TILE=chunk, SEARCH_ITERS=32, BLOCK=1024, num_warps=4,
     )  # fmt: skip
     chunks = (chunk_seg, chunk_start, chunk_end)
     modulo = mode == "modulo"
