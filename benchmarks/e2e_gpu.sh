@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
-#   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: tier-1
-#                                      # prioritized check (two-half lookahead), the kernels
-#                                      # incl. dispatch v3, per-kernel dispatch profile
+#   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: the
+#                                      # Triton per-row sum (bitwise + timing), tier-1
+#                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
-#   MERGE=benchmarks/results/e2e_main.json bash benchmarks/e2e_gpu.sh ablate
+#   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
 #                                      # prioritized, balance_fbs, freescale_nccl_overlap
 #                                      # merged into the main rows
@@ -25,6 +25,8 @@ BASE_STEPS=${BASE_STEPS:-300}
 E2E="python -m freescale.cli bench e2e --zipf-s 0.6"
 case "${1:-}" in
 verify)
+  timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -3
   timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
   echo "check_prioritized_cuda rc=$?"; tail -8 "$OUT/verify_prioritized.log"
