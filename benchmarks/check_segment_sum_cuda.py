@@ -1,5 +1,7 @@
 """The per-row gradient sum on CUDA: Triton tree (kernels/segment_tree.py) vs reference.
 
+Also checks the module's `mask_positions_triton` against ``torch.nonzero``.
+
 Checks `segment_tree_sum` bitwise against `embedding.reduce.segment_sum_reference` on
 fresh random inputs (signed zeros, long hot-row segments, float32 and float64), then
 times both at the end-to-end workload's size (one rank's ~435K ids per step, dim 128,
@@ -70,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup"] = row["reference_ms"] / row["triton_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    big = next(r for r in rows if r["n_ids"] == 435_000)
+    # mask positions (the same module's second kernel) against torch.nonzero
+    from freescale.kernels.segment_tree import mask_positions_triton
+
+    for n, p in ((1, 0.5), (1000, 0.01), (435_000, 0.5), (435_000, 0.999)):
+        m = torch.rand(n, generator=gen).to(dev) < p
+        same = bool(torch.equal(mask_positions_triton(m, int(m.sum())), torch.nonzero(m)[:, 0]))
+        ok &= same
+        rows.append({"op": "mask_positions", "n": n, "p": p, "equal_to_nonzero": same})
+        print(json.dumps(rows[-1]), flush=True)
+    big = next(r for r in rows if r.get("n_ids") == 435_000)
     res = {
         "figure": "segment_sum",
         "device": torch.cuda.get_device_name(),

@@ -101,11 +101,16 @@ def main(argv: list[str] | None = None) -> None:
             elif tag != "main":
                 per_thread[f"{tag} py: {label(st)}"] += SAMPLE_US / per
     busy: dict[str, float] = defaultdict(float)
+    by_top: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for (tid, cat), evs in threads.items():
         if cat == "cpu_op":
             tag = "main" if tid == main_tid[1] else f"tid {tid}"
             top = [e for e, st in zip(evs, stacks_at(evs, [e["ts"] for e in evs])) if len(st) <= 1]
             busy[tag] = sum(e["dur"] for e in top) / per
+            for e in top:  # e.g. "autograd::engine::evaluate_function: MmBackward0"
+                b = by_top[f"{tag}: {e['name'][:90]}"]
+                b[0] += e["dur"] / per
+                b[1] += 1
     total = sum(e - s for s, e in holes) / per
     print(f"GPU gaps: {len(holes)} totalling {total:.2f} ms/step; sampled {len(samples)} points")
     for name, ms in sorted(bubble.items(), key=lambda kv: -kv[1])[: a.top]:
@@ -115,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         {k: round(v, 2) for k, v in busy.items()},
     )
     print("the same gaps by each host thread's innermost op (or its Python frames):")
+    print("host busy per thread by top-level op (ms/step, calls/step):")
+    for name, (ms, n) in sorted(by_top.items(), key=lambda kv: -kv[1][0])[: a.top]:
+        print(f"  {ms:7.2f} ms/step {n / a.steps:6.1f}/step  {name}")
     shown = {k: v for k, v in per_thread.items() if "(idle)" not in k and "faults.py" not in k}
     for name, ms in sorted(shown.items(), key=lambda kv: -kv[1])[: 2 * a.top]:
         print(f"  {ms:7.2f} ms/step  {name}")

@@ -161,6 +161,20 @@ def test_dispatch_triton_v1_matches_reference(gen, world, mode, dest_major, head
         assert_dispatch_equal(expected, actual, f"tile={tile} {case.describe()}")
 
 
+@needs_triton
+def test_dispatch_v3_segment_table_fallback(gen, monkeypatch):
+    """Batches with more segments than one program scans take torch's scans instead of
+    the fused segment-table kernel: same result."""
+    triton_impl = _triton()
+    monkeypatch.setattr(triton_impl, "_SEGMENT_TABLE_MAX", 4)
+    for world in (3, 64):
+        case = random_dispatch_case(gen, world, max_batch=8, max_len=70, **_dtypes(world))
+        args = (case.values, case.lengths, case.block_sizes, world)
+        expected = reference.ranged_dispatch(*args)
+        actual = triton_impl.ranged_dispatch_v1(*args, tile=16, dest_major=True)
+        assert_dispatch_equal(expected, actual, case.describe())
+
+
 # (chunk, block): None = the CPU default (32, 16); segments of up to 70 ids span several
 # chunks, chunks span several blocks, and block == chunk is covered too.
 CHUNK_BLOCKS = [(16, 16), (None, None), (64, 16), (32, 32)]
@@ -503,3 +517,21 @@ def test_segment_tree_sum_keeps_negative_zero_and_tree_order():
         tree = ((vals[1] + vals[2]) + (vals[3] + vals[4])).item()
         running = (((vals[1] + vals[2]) + vals[3]) + vals[4]).item()
         assert tree != running and out[1, 0].item() == tree
+
+
+@needs_triton
+def test_mask_positions_triton_matches_reference(gen):
+    """The two-launch mask positions (CUDA path of embedding.reduce.mask_positions)
+    equal the reference and torch.nonzero on fresh random masks, incl. empty/full."""
+    from freescale.embedding.reduce import mask_positions_reference
+    from freescale.kernels.segment_tree import mask_positions_triton
+
+    masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]
+    masks += [torch.zeros(7, dtype=torch.bool), torch.tensor([False, True])]
+    for n, p in ((1, 0.5), (1000, 0.01), (3000, 0.5), (5000, 0.99)):
+        masks.append(torch.rand(n, generator=gen) < p)
+    for m in masks:
+        count = int(m.sum())
+        got = mask_positions_triton(m, count)
+        ref = mask_positions_reference(m, count)
+        assert torch.equal(got, ref) and torch.equal(got, torch.nonzero(m).squeeze(1)), m[:8]

@@ -28,11 +28,13 @@ __all__ = [
     "group_rows",
     "group_rows_reference",
     "mask_positions",
+    "mask_positions_reference",
     "segment_sum",
     "segment_sum_reference",
 ]
 
-SEGMENT_SUM_ENV_VAR = "FREESCALE_SEGMENT_SUM"  # auto | reference | triton
+# auto | reference | triton; "reference" also keeps mask_positions on its reference
+SEGMENT_SUM_ENV_VAR = "FREESCALE_SEGMENT_SUM"
 
 
 @dataclass
@@ -52,6 +54,16 @@ def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     already known on the host: no device read-back (``nonzero`` and boolean indexing
     synchronise the stream to learn their output size). Each True entry scatters its
     position to its rank among the True entries; False entries go to a dump slot."""
+    fast = mask.is_cuda and mask.dtype == torch.bool and mask.dim() == 1
+    if fast and os.environ.get(SEGMENT_SUM_ENV_VAR, "auto") != "reference":
+        from freescale.kernels.segment_tree import mask_positions_triton
+
+        return mask_positions_triton(mask, count)  # same result, 2 launches instead of 6
+    return mask_positions_reference(mask, count)
+
+
+def mask_positions_reference(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The plain version of :func:`mask_positions` (what it runs on CPU)."""
     n = mask.numel()
     if count == n:
         return torch.arange(n, device=mask.device)

@@ -1,9 +1,11 @@
-"""Triton fast path of the per-row gradient sum (`embedding.reduce.segment_sum`).
+"""Triton fast paths of `embedding.reduce`: the per-row gradient sum (`segment_sum`) and
+`mask_positions` (nonzero with a host-known count).
 
-Owns one kernel and its level loop. The semantics are `reduce.segment_sum_reference`'s,
-bit for bit: each row's gradients (in stable sorted order) summed by the pairwise tree
-over their index inside the row's segment — at stride s, element i (i % 2s == 0) adds
-element i + s when it exists. Two facts make a chunked version exact:
+Owns their kernels and the per-row sum's level loop. The per-row sum's semantics are
+`reduce.segment_sum_reference`'s, bit for bit: each row's gradients (in stable sorted
+order) summed by the pairwise tree over their index inside the row's segment — at
+stride s, element i (i % 2s == 0) adds element i + s when it exists. Two facts make a
+chunked version exact:
 
 * the tree's first log2(C) levels stay inside aligned chunks of C elements, and the
   later levels combine the chunk sums by the same pairwise rule over chunk indices; so
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["segment_tree_sum", "SUPPORTED_DTYPES"]
+__all__ = ["segment_tree_sum", "mask_positions_triton", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -137,3 +139,35 @@ def segment_tree_sum(
             return res.reshape(u, *values.shape[1:])
         src, n, first = out, grid, False
         starts, counts = chunk_first[:-1], per_seg
+
+
+# ---------------------------------------------------------------------------------------
+# mask positions (nonzero with a host-known count)
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n"])
+def _compact_kernel(mask_ptr, incl_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out[incl[i] - 1] = i for every set mask[i] (incl: inclusive prefix count)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    keep = (tl.load(mask_ptr + offs, mask=inside, other=0) != 0) & inside
+    pos = tl.load(incl_ptr + offs, mask=keep, other=1) - 1
+    tl.store(out_ptr + pos, offs.to(tl.int64), mask=keep)
+
+
+def mask_positions_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``torch.nonzero(mask).squeeze(1)`` for a 1-D bool ``mask`` with ``count`` set
+    entries known on the host: one scan and one scatter launch (the reference,
+    `embedding.reduce.mask_positions`, takes six)."""
+    n = mask.numel()
+    if count == n:
+        return torch.arange(n, device=mask.device)
+    out = torch.empty(count, dtype=torch.int64, device=mask.device)
+    if count == 0:
+        return out
+    incl = torch.cumsum(mask, 0, dtype=torch.int64)
+    block = 1024
+    flags = mask.contiguous().view(torch.uint8)
+    _compact_kernel[(triton.cdiv(n, block),)](flags, incl, out, n, BLOCK=block)
+    return out

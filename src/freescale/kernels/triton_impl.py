@@ -46,6 +46,30 @@ def _run_count(dest_a, count_a, dest_b, count_b):
     return dest_b, tl.where(dest_a == dest_b, count_a + count_b, count_b)
 
 
+@triton.jit(do_not_specialize=["num_segments"])
+def _segment_table_kernel(
+    lengths_ptr,
+    seg_offsets_ptr,
+    tile_first_ptr,
+    num_segments,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: seg_offsets = exclusive cumsum of lengths and tile_first = exclusive
+    cumsum of ceil(length / TILE), both (num_segments + 1,) int64 — what five to seven
+    small torch launches computed before (dispatch is launch-bound on one rank's batch)."""
+    offs = tl.arange(0, BLOCK)
+    n = tl.load(lengths_ptr + offs, mask=offs < num_segments, other=0).to(tl.int64)
+    tiles = (n + (TILE - 1)) // TILE
+    out = offs <= num_segments
+    tl.store(seg_offsets_ptr + offs, tl.cumsum(n, 0) - n, mask=out)
+    tl.store(tile_first_ptr + offs, tl.cumsum(tiles, 0) - tiles, mask=out)
+
+
+# one program scans at most this many segments; larger batches use torch's scans
+_SEGMENT_TABLE_MAX = 1 << 16
+
+
 @triton.jit(do_not_specialize=["num_segments", "num_tiles"])
 def _tile_table_kernel(
     seg_offsets_ptr,
@@ -290,9 +314,18 @@ def ranged_dispatch_v1(
 
     # Tiles: chunks of <= tile ids inside one segment; segment s owns the tiles
     # [tile_first[s], tile_first[s+1]); a few spare tiles at the end stay empty.
-    seg_offsets = exclusive_cumsum(lengths)
-    tiles_per_segment = torch.div(lengths.to(torch.int64) + (tile - 1), tile, rounding_mode="floor")
-    tile_first = exclusive_cumsum(tiles_per_segment)
+    if nseg + 1 <= _SEGMENT_TABLE_MAX:
+        seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
+        tile_first = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
+        block = max(16, triton.next_power_of_2(nseg + 1))
+        _segment_table_kernel[(1,)](
+            lengths, seg_offsets, tile_first, nseg, TILE=tile, BLOCK=block,
+            num_warps=4 if block <= 4096 else 16,
+        )  # fmt: skip
+    else:
+        seg_offsets = exclusive_cumsum(lengths)
+        per_segment = torch.div(lengths.to(torch.int64) + (tile - 1), tile, rounding_mode="floor")
+        tile_first = exclusive_cumsum(per_segment)
     grid = (n + nseg * (tile - 1)) // tile + 1  # >= tiles used + 1: the last one is empty
     tile_seg = torch.empty(grid, dtype=torch.int32, device=dev)
     tile_start = torch.empty(grid, dtype=torch.int64, device=dev)
