@@ -14,12 +14,14 @@ mismatch::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _figure import figure_header  # noqa: E402
 
 
 def zipf_keys(n: int, rows: int, s: float, gen: torch.Generator) -> torch.Tensor:
@@ -83,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     big = next(r for r in rows if r.get("n_ids") == 435_000)
     res = {
-        "figure": "segment_sum",
-        "device": torch.cuda.get_device_name(),
-        "git_sha": a.git_sha,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "torch": torch.__version__,
+        **figure_header("segment_sum", a.git_sha),
         "rows": rows,
         "headline": {"bitwise_equal": ok, "speedup_e2e_size": big.get("speedup")},
         "note": "device time by triton.testing.do_bench (median of repeated calls)",

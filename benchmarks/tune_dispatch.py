@@ -13,7 +13,6 @@ after checking each setting bitwise against the reference. The fastest setting p
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _figure import figure_header  # noqa: E402
 from freescale.kernels import reference  # noqa: E402
 from kernels import block_sizes_for, check_same, make_workload, time_fast  # noqa: E402
 
@@ -31,6 +31,19 @@ SWEEP = {
     "large": (8192, 1 << 26, [8, 1024], [512, 1024, 2048, 4096, 8192]),
     "per_rank": (128, None, [32, 512], [128, 256, 512, 1024, 2048]),
 }
+
+
+def headline(best: dict[str, dict]) -> dict[str, object]:
+    """Per (workload, W): the fastest setting and its time."""
+    return {
+        k.replace(" W=", "_w"): {
+            "ms": r["ms"],
+            "tile": r["tile"],
+            "num_warps": r["num_warps"],
+            "head_load": r["head_load"],
+        }  # fmt: skip
+        for k, r in best.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             best[key] = r
     a.out.mkdir(parents=True, exist_ok=True)
     res = {
-        "figure": "dispatch_tune",
-        "device": torch.cuda.get_device_name(),
-        "git_sha": a.git_sha,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "torch": torch.__version__,
+        **figure_header("dispatch_tune", a.git_sha),
         "rows": rows,
         "best": best,
+        "headline": headline(best),
     }
     (a.out / "dispatch_tune.json").write_text(json.dumps(res, indent=1) + "\n")
     for k, r in best.items():
