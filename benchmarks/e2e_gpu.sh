@@ -5,7 +5,8 @@
 #                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
-#   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, vanilla_reordered, sdd, freescale
+#   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor),
+#                                      # sdd, freescale (~6.5 min)
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
 #                                      # prioritized, balance_fbs, freescale_nccl_overlap
@@ -59,7 +60,8 @@ smoke)
   ;;
 main)
   timeout 570 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
-    --variants vanilla vanilla_reordered sdd freescale > "$OUT/e2e_main.log" 2>&1
+    --variants vanilla vanilla_reordered vanilla_reordered_b sdd freescale \
+    > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   ;;
 ablate)

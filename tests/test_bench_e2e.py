@@ -102,11 +102,16 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert rows["freescale"]["summary"]["comm_bytes_by_backend"]["host_staged"] > 0
     assert rows["freescale_nccl_overlap"]["summary"]["overlap_backend"] != "host_staged"
     # tier 2: balancing and the legal reordering change summation orders (float64)
-    for name in ("balance_fbs", "freescale", "freescale_nccl_overlap", "vanilla_reordered"):
+    reordered = ("vanilla_reordered", "vanilla_reordered_b")
+    for name in ("balance_fbs", "freescale", "freescale_nccl_overlap", *reordered):
         for p, q in zip(rows[name]["ne_curve"], van["ne_curve"]):
             assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
     assert report["headline"]["ne_rel_diff"] <= F64_TOL
     assert 0.0 < report["headline"]["ne_noise_floor"] <= F64_TOL  # the reordering is real
+    samples = report["headline"]["ne_noise_floor_samples"]
+    assert set(samples) == set(reordered) and min(samples.values()) > 0.0  # both are real
+    assert report["headline"]["ne_noise_floor"] == max(samples.values())
+    assert rows["vanilla_reordered"]["ne_curve"] != rows["vanilla_reordered_b"]["ne_curve"]
     # CPU: no GPU activity to account; said so, never invented
     assert van["gpu_accounting"]["profiled_steps"] == 2
     assert not van["gpu_accounting"]["available"]
