@@ -11,14 +11,18 @@ Method: the GPU's busy time is the union of kernels, memcpys and memsets on the 
 (every stream, communication included); every gap in it is a bubble. Each gap is sampled
 every 50 us and each sample is charged to what the training thread (the one that opened
 ``freescale/forward``) was doing at that instant: its innermost ``freescale`` frame (and
-that frame's caller), or "(no python frame)". A second table charges the host-blocking
-CUDA runtime calls (stream/event/device synchronize, memcpy) the same way. Both are
-milliseconds per profiled step. A diagnostic, not a figure: it writes nothing but stdout.
+that frame's caller), or "(no python frame)"; then by each host thread's innermost op.
+Host load: per thread (autograd's device thread runs the backward), the time in
+top-level ops ("busy"), the part of it blocked in CUDA synchronize / memcpy calls, and
+the rest ("work": what the host really computes), also per top-level op; and the
+blocking calls themselves by Python frame. All in milliseconds per profiled step. A
+diagnostic, not a figure: it writes nothing but stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -100,44 +104,70 @@ def main(argv: list[str] | None = None) -> None:
                 per_thread[f"{tag} op: {st[-1]['name'] if st else '(idle)'}"] += SAMPLE_US / per
             elif tag != "main":
                 per_thread[f"{tag} py: {label(st)}"] += SAMPLE_US / per
-    busy: dict[str, float] = defaultdict(float)
-    by_top: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    # blocking CUDA runtime calls (synchronize, memcpy) on every thread of the process:
+    # "busy" below counts them; "work" subtracts them (what the host really computes)
+    blocking: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if (
+            e.get("cat") == "cuda_runtime"
+            and e.get("pid") == main_tid[0]
+            and any(x in e["name"] for x in _BLOCKING)
+        ):
+            blocking[e["tid"]].append((e["ts"], e["dur"]))
+    busy: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    by_top: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for (tid, cat), evs in threads.items():
-        if cat == "cpu_op":
-            tag = "main" if tid == main_tid[1] else f"tid {tid}"
-            top = [e for e, st in zip(evs, stacks_at(evs, [e["ts"] for e in evs])) if len(st) <= 1]
-            busy[tag] = sum(e["dur"] for e in top) / per
-            for e in top:  # e.g. "autograd::engine::evaluate_function: MmBackward0"
-                b = by_top[f"{tag}: {e['name'][:90]}"]
-                b[0] += e["dur"] / per
-                b[1] += 1
+        if cat != "cpu_op":
+            continue
+        tag = "main" if tid == main_tid[1] else f"tid {tid}"
+        top = [e for e, st in zip(evs, stacks_at(evs, [e["ts"] for e in evs])) if len(st) <= 1]
+        waits = sorted(blocking.get(tid, []))
+        starts = [w[0] for w in waits]
+        for e in top:  # e.g. "autograd::engine::evaluate_function: MmBackward0"
+            lo = bisect.bisect_left(starts, e["ts"])
+            hi = bisect.bisect_left(starts, e["ts"] + e["dur"])
+            waited = sum(d for _, d in waits[lo:hi])
+            busy[tag][0] += e["dur"] / per
+            busy[tag][1] += waited / per
+            b = by_top[f"{tag}: {e['name'][:90]}"]
+            b[0] += e["dur"] / per
+            b[1] += waited / per
+            b[2] += 1
     total = sum(e - s for s, e in holes) / per
     print(f"GPU gaps: {len(holes)} totalling {total:.2f} ms/step; sampled {len(samples)} points")
+    print("the gaps by the training thread's innermost freescale frame:")
     for name, ms in sorted(bubble.items(), key=lambda kv: -kv[1])[: a.top]:
         print(f"  {ms:7.2f} ms/step  {name}")
-    print(
-        "host busy in top-level ops per thread (ms/step):",
-        {k: round(v, 2) for k, v in busy.items()},
-    )
     print("the same gaps by each host thread's innermost op (or its Python frames):")
-    print("host busy per thread by top-level op (ms/step, calls/step):")
-    for name, (ms, n) in sorted(by_top.items(), key=lambda kv: -kv[1][0])[: a.top]:
-        print(f"  {ms:7.2f} ms/step {n / a.steps:6.1f}/step  {name}")
     shown = {k: v for k, v in per_thread.items() if "(idle)" not in k and "faults.py" not in k}
     for name, ms in sorted(shown.items(), key=lambda kv: -kv[1])[: 2 * a.top]:
         print(f"  {ms:7.2f} ms/step  {name}")
-    calls = [
-        e
-        for e in on_main
-        if e.get("cat") == "cuda_runtime" and any(b in e["name"] for b in _BLOCKING)
-    ]
+    print("host threads, top-level ops (ms/step): busy, of which blocked in CUDA syncs/copies")
+    for tag, (ms, waited) in sorted(busy.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {tag}: busy {ms:.2f}, blocked {waited:.2f}, work {ms - waited:.2f}")
+    print("host work per thread by top-level op (ms/step busy, blocked, calls/step):")
+    for name, (ms, waited, n) in sorted(by_top.items(), key=lambda kv: -kv[1][0])[: a.top]:
+        print(f"  {ms:7.2f} {waited:6.2f} {n / a.steps:6.1f}/step  {name}")
     blocked: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    mids = [e["ts"] + e["dur"] / 2 for e in calls]
-    for e, st in zip(calls, stacks_at(frames, mids)):
-        b = blocked[f"{e['name']} @ {label(st)}"]
-        b[0] += e["dur"] / per
-        b[1] += 1
-    print("host-blocking CUDA runtime calls on the training thread (ms/step, calls/step):")
+    for tid in {e["tid"] for e in events if e.get("pid") == main_tid[0]}:
+        calls = [
+            e
+            for e in events
+            if e.get("pid") == main_tid[0]
+            and e["tid"] == tid
+            and e.get("cat") == "cuda_runtime"
+            and any(b in e["name"] for b in _BLOCKING)
+        ]
+        if not calls:
+            continue
+        tag = "main" if tid == main_tid[1] else f"tid {tid}"
+        mine = threads.get((tid, "python_function"), [])
+        mids = [e["ts"] + e["dur"] / 2 for e in calls]
+        for e, st in zip(calls, stacks_at(mine, mids)):
+            b = blocked[f"{tag}: {e['name']} @ {label(st)}"]
+            b[0] += e["dur"] / per
+            b[1] += 1
+    print("host-blocking CUDA runtime calls per thread (ms/step, calls/step):")
     for name, (ms, n) in sorted(blocked.items(), key=lambda kv: -kv[1][0])[: a.top]:
         print(f"  {ms:7.2f} ms/step {n / a.steps:5.1f}/step  {name}")
     ranges: dict[str, float] = defaultdict(float)
