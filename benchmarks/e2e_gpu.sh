@@ -3,6 +3,8 @@
 #   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: the
 #                                      # Triton per-row sum (bitwise + timing), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
+#   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
+#                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor),
@@ -35,6 +37,16 @@ verify)
   echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
   timeout 200 python benchmarks/profile_dispatch.py --out "$OUT" \
     --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | grep -E "device; top|MISMATCH|wrote"
+  ;;
+host)
+  for mode in vanilla freescale; do
+    FREESCALE_PROFILE_STACK=1 timeout 150 python -m freescale.cli train --device cuda --nproc 2 \
+      --steps 40 --mode "$mode" --timing events --profile-steps 5 --zipf-s 0.6 \
+      --trace-dir "/tmp/trace_host_$mode" --no-progress > "/tmp/host_$mode.log" 2>&1
+    echo "== $mode rc=$?"; grep -E "QPS|GPU per step" "/tmp/host_$mode.log"
+    python benchmarks/trace_host.py "/tmp/trace_host_$mode/trace_rank0.json" --steps 5 --top 20 \
+      | cut -c1-180 | tee "$OUT/trace_host_$mode.txt"
+  done
   ;;
 check)
   # the GPU paths not yet run on GPUs (host counts, host balancing, SM-free overlap),
@@ -73,5 +85,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 verify|check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 verify|host|check|smoke|main|ablate" >&2; exit 2 ;;
 esac
