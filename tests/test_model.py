@@ -78,6 +78,29 @@ def test_block_mask_covers_exactly_the_dense_document_mask():
             assert bool(dense[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].all())
 
 
+def test_block_mask_query_side_equals_torch_transpose():
+    """The analytic query-side indices (`_transposed_blocks`) equal torch's generic
+    transpose in ``BlockMask.from_kv_blocks``: every tensor of the mask, bit for bit,
+    on fresh random jagged lengths (empty samples, block-sized ones, padding blocks)."""
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(12):
+        lengths = _lengths(g, int(torch.randint(1, 30, (1,), generator=g)), 700)
+        if trial % 3 == 0:
+            lengths = torch.cat([lengths, torch.tensor([128, 256, 1, 0, 127, 129])])
+        t = int(lengths.sum())
+        tp = flex_bucket(t) if trial % 2 else -(-max(t, 1) // 128) * 128 + 128 * (trial % 3)
+        fast = document_causal_block_mask(lengths, tp)
+        ref = document_causal_block_mask(lengths, tp, analytic_q=False)
+        for x, y in zip(fast.as_tuple(), ref.as_tuple()):
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), trial
+            elif not callable(x):
+                assert x == y, trial
+        assert fast.q_indices is not None and fast.full_q_indices is not None
+
+
 def test_flex_attention_matches_reference():
     """Compiled flex attention (inductor on CPU) with our block mask."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))

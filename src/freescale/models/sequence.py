@@ -104,7 +104,11 @@ def flex_bucket(n: int, quantum: int = 4 * FLEX_BLOCK) -> int:
 
 
 def document_causal_block_mask(
-    lengths: torch.Tensor, tp: int, block: int = FLEX_BLOCK, total: int | None = None
+    lengths: torch.Tensor,
+    tp: int,
+    block: int = FLEX_BLOCK,
+    total: int | None = None,
+    analytic_q: bool = True,
 ):
     """A flex-attention ``BlockMask`` for causal attention inside each jagged sample of
     ``lengths`` (tokens concatenated, padded to ``tp``), built directly from the sample
@@ -115,7 +119,9 @@ def document_causal_block_mask(
     of block i and strictly before i are *full* (no mask evaluated), the rest partial.
 
     ``total``: ``sum(lengths)`` when the caller knows it (the token count); saves a
-    device-to-host sync on CUDA."""
+    device-to-host sync on CUDA. ``analytic_q`` (default): the query-side indices from
+    the same bounds (`_transposed_blocks`); False: torch's generic transpose (the
+    reference the tests compare with)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = lengths.device
@@ -151,13 +157,66 @@ def document_causal_block_mask(
     def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
         return (docm[qi] == docm[ki]) & (qi >= ki)
 
-    return BlockMask.from_kv_blocks(
+    kv = (
         n_part.to(torch.int32).view(1, 1, nb),
         part_idx.view(1, 1, nb, nb),
         n_full.to(torch.int32).view(1, 1, nb),
         full_idx.view(1, 1, nb, nb),
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
+    )
+    if not analytic_q:
+        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
+    q = _transposed_blocks(pstart, fstart)
+    try:
+        return BlockMask(
+            seq_lengths=(tp, tp), kv_num_blocks=kv[0], kv_indices=kv[1],
+            full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
+            q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
+            BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+        )  # fmt: skip
+    except TypeError:  # a torch whose BlockMask takes other arguments: let it transpose
+        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
+
+
+def _transposed_blocks(
+    pstart: torch.Tensor, fstart: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q side of the document-causal block mask (for each kv block c: the query
+    blocks that read it, partial and full), computed from the two monotone bounds
+    instead of torch's generic transpose (a dense [nb, nb + 1] matrix built under two
+    vmaps, then a stable argsort per row: milliseconds of host time per step).
+
+    Query block i reads kv blocks [pstart[i], fstart[i]) and i partially and
+    [fstart[i], i) fully; pstart and fstart are non-decreasing and fstart[i] <= i. So
+    kv block c is read partially by c itself and by the contiguous range
+    [a, b] = [first i with fstart[i] > c, last i with pstart[i] <= c] (all > c), and
+    fully by (c, a). Each row lists its readers ascending, then the other blocks
+    ascending — exactly what ``BlockMask.from_kv_blocks`` produces (tests compare)."""
+    nb = pstart.numel()
+    dev = pstart.device
+    c = torch.arange(nb, device=dev)
+    a = torch.searchsorted(fstart.contiguous(), c, right=True)  # first i: fstart[i] > c
+    b = torch.searchsorted(pstart.contiguous(), c, right=True) - 1  # last i: pstart[i] <= c
+    r = (b - a + 1).clamp(min=0)  # partial readers besides c itself
+    j = torch.arange(nb, device=dev).unsqueeze(0)  # position in the row
+    cc, aa, rr = c.unsqueeze(1), a.unsqueeze(1), r.unsqueeze(1)
+    # partial: [c, a .. b], then the rest ascending: [0, c), (c, a'), (b', nb)
+    a2 = torch.where(rr > 0, aa, nb)
+    b2 = torch.where(rr > 0, b.unsqueeze(1), nb - 1)
+    k = j - 1 - rr  # index into the rest
+    second = a2 - 1 - cc  # length of (c, a')
+    rest = torch.where(
+        k < cc, k, torch.where(k - cc < second, cc + 1 + (k - cc), b2 + 1 + (k - cc - second))
+    )
+    part = torch.where(j == 0, cc, torch.where(j <= rr, aa + j - 1, rest))
+    # full: (c, a) ascending, then the rest ascending: [0, c] and [a, nb)
+    rf = aa - 1 - cc
+    k = j - rf
+    full = torch.where(j < rf, cc + 1 + j, torch.where(k <= cc, k, aa + (k - cc - 1)))
+    return (
+        (1 + r).to(torch.int32).view(1, 1, nb),
+        part.to(torch.int32).view(1, 1, nb, nb),
+        rf.squeeze(1).to(torch.int32).view(1, 1, nb),
+        full.to(torch.int32).view(1, 1, nb, nb),
     )
 
 
