@@ -66,8 +66,9 @@ def _segment_table_kernel(
     tl.store(tile_first_ptr + offs, tl.cumsum(tiles, 0) - tiles, mask=out)
 
 
-# one program scans at most this many segments; larger batches use torch's scans
-_SEGMENT_TABLE_MAX = 1 << 16
+# one program scans at most this many segments (a training batch has K * B ~ 10^2-10^3;
+# a larger block would spill registers); larger batches use torch's scans
+_SEGMENT_TABLE_MAX = 1 << 13
 
 
 @triton.jit(do_not_specialize=["num_segments", "num_tiles"])
@@ -320,7 +321,7 @@ def ranged_dispatch_v1(
         block = max(16, triton.next_power_of_2(nseg + 1))
         _segment_table_kernel[(1,)](
             lengths, seg_offsets, tile_first, nseg, TILE=tile, BLOCK=block,
-            num_warps=4 if block <= 4096 else 16,
+            num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     else:
         seg_offsets = exclusive_cumsum(lengths)
