@@ -53,7 +53,8 @@ def mask_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """``torch.nonzero(mask).squeeze(1)`` when the number of True entries (``count``) is
     already known on the host: no device read-back (``nonzero`` and boolean indexing
     synchronise the stream to learn their output size). Each True entry scatters its
-    position to its rank among the True entries; False entries go to a dump slot."""
+    position to its rank among the True entries. On CUDA (bool masks): the Triton
+    version, two launches; elsewhere `mask_positions_reference`."""
     fast = mask.is_cuda and mask.dtype == torch.bool and mask.dim() == 1
     if fast and os.environ.get(SEGMENT_SUM_ENV_VAR, "auto") != "reference":
         from freescale.kernels.segment_tree import mask_positions_triton
