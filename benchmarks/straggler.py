@@ -323,6 +323,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--git-sha", default=None)
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier straggler.json of the same workload: its rows for max UIH values "
+        "not run now are kept (a sweep split over several device calls)",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.device = "cpu"
@@ -419,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[dict] = []
     order = run_order(a.max_uih_list)
     n_keys = None
+    kept_rows, kept_fits = load_merge(a.merge, meta, set(order))
 
     def est_step_s(mu: int) -> float:
         if mu in per_step_cost:
@@ -442,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         if rank != 0:
             return
-        out = dict(meta, rows=rows, cost_model_fits=fits, headline=headline(rows, fits))
+        all_rows = sorted(kept_rows + rows, key=lambda r: r["max_uih"])
+        all_fits = {**kept_fits, **fits}
+        out = dict(meta, rows=all_rows, cost_model_fits=all_fits)
+        out["headline"] = headline(all_rows, all_fits)
         out["skipped"] = skipped
         out["elapsed_s"] = time.perf_counter() - t_start
         with open(os.path.join(a.out, "straggler.json"), "w") as f:
@@ -509,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                     "holdout_error": ho_err,
                     "num_samples": len(samples),
                     "units": "ms per rank; tokens / sum L^2 in planner (composite) lengths",
+                    "samples": [list(map(float, x)) for x in samples],  # for --merge
                 }
                 pooled.extend(samples)
             row, strag = summarize(name, mu, col.steps, warm, wall, fit, base)
@@ -538,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # pooled fit for the simulator, converted to model sequence length L (composite =
     # n_keys * L for aligned keys): a*k*L + b*k^2*L^2 + c
+    for f in kept_fits.values():
+        pooled.extend(tuple(x) for x in f.get("samples", []))
     if pooled and rank == 0:
         cm = CostModel()
         err = cm.fit(pooled)
@@ -552,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             units="ms per rank = a*sum(L) + b*sum(L^2) + c; L = model sequence length "
             f"(one token per interaction; the planner's composite length is {k}L)",
             source="benchmarks/straggler.py: vanilla runs of every max UIH, pooled",
-            max_uih=order,
+            max_uih=sorted(set(order) | set(kept_fits)),
         )
         with open(os.path.join(a.out, "cost_model_2gpu.json"), "w") as f:
             json.dump(d, f, indent=1)
@@ -566,6 +579,33 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def load_merge(path: str | None, meta: dict, running: set[int]) -> tuple[list[dict], dict]:
+    """Rows and per-max-UIH fits of an earlier run to keep (``--merge``): same device
+    and workload (step count aside), max UIH values this run does not measure."""
+    if not path:
+        return [], {}
+    with open(path) as f:
+        prev = json.load(f)
+    mine = {k: v for k, v in meta["workload"].items() if k != "steps"}
+    theirs = {k: v for k, v in prev.get("workload", {}).items() if k != "steps"}
+    if mine != theirs or prev.get("device") != meta["device"]:
+        raise SystemExit(f"--merge {path}: different device or workload; not merged")
+    rows = [r for r in prev.get("rows", []) if r["max_uih"] not in running]
+    fits = {}
+    for k, v in prev.get("cost_model_fits", {}).items():
+        if k != "pooled" and int(k) not in running:
+            if "samples" not in v:
+                raise SystemExit(f"--merge {path}: fit of max UIH {k} has no samples")
+            fits[int(k)] = v
+    meta["merged_from"] = {
+        "git_sha": prev.get("git_sha"),
+        "date": prev.get("date"),
+        "command": prev.get("command"),
+        "max_uih": sorted({r["max_uih"] for r in rows}),
+    }
+    return rows, fits
 
 
 def headline(rows: list[dict], fits: dict) -> dict[str, Any]:
