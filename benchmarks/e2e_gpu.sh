@@ -3,6 +3,7 @@
 #   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: the
 #                                      # Triton per-row sum (bitwise + timing), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
+#   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
 #   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
@@ -27,6 +28,10 @@ STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
 E2E="python -m freescale.cli bench e2e --zipf-s 0.6"
 case "${1:-}" in
+first)
+  bash "$0" verify
+  bash "$0" host
+  ;;
 verify)
   timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
     --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -3
@@ -85,5 +90,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 verify|host|check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|verify|host|check|smoke|main|ablate" >&2; exit 2 ;;
 esac
