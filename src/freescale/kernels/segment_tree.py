@@ -146,14 +146,16 @@ def segment_tree_sum(
 # ---------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n"])
-def _compact_kernel(mask_ptr, incl_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out[incl[i] - 1] = i for every set mask[i] (incl: inclusive prefix count)."""
+@triton.jit(do_not_specialize=["n", "count"])
+def _compact_kernel(mask_ptr, incl_ptr, out_ptr, n, count, BLOCK: tl.constexpr):
+    """out[incl[i] - 1] = i for every set mask[i] (incl: inclusive prefix count); a
+    wrong host count never writes past ``out`` (the caller's count is trusted, as in
+    the reference, but memory stays safe)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     keep = (tl.load(mask_ptr + offs, mask=inside, other=0) != 0) & inside
     pos = tl.load(incl_ptr + offs, mask=keep, other=1) - 1
-    tl.store(out_ptr + pos, offs.to(tl.int64), mask=keep)
+    tl.store(out_ptr + pos, offs.to(tl.int64), mask=keep & (pos < count))
 
 
 def mask_positions_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -169,5 +171,5 @@ def mask_positions_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
     incl = torch.cumsum(mask, 0, dtype=torch.int64)
     block = 1024
     flags = mask.contiguous().view(torch.uint8)
-    _compact_kernel[(triton.cdiv(n, block),)](flags, incl, out, n, BLOCK=block)
+    _compact_kernel[(triton.cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
     return out
