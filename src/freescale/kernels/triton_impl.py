@@ -189,6 +189,7 @@ def _dispatch_scatter_kernel(
     TILE: tl.constexpr,
     DEST_MAJOR: tl.constexpr,
     HEAD_LOAD: tl.constexpr = False,
+    INCL: tl.constexpr = False,
 ):
     pid, start, lane, mask, blk, ids = _tile_ids(
         values_ptr, block_sizes_ptr, tile_seg_ptr, tile_start_ptr, tile_end_ptr, batch, TILE
@@ -202,13 +203,18 @@ def _dispatch_scatter_kernel(
     _, run = tl.associative_scan((sdest, tl.full([TILE], 1, tl.int32)), 0, _run_count)
     valid = sdest < world_size
     off = _count_offset(pid, sdest, world_size, num_tiles, DEST_MAJOR)
+    if INCL:  # the matrix holds the inclusive scan: the exclusive value sits one earlier
+        off = off - 1
+        valid_at = valid & (off >= 0)
+    else:
+        valid_at = valid
     if HEAD_LOAD:
         # one load per run of equal dests (its first lane), spread over the run by the
         # same segmented sum: fewer scattered reads of the scan matrix when runs are long
-        head = tl.load(earlier_ptr + off, mask=valid & (run == 1), other=0)
+        head = tl.load(earlier_ptr + off, mask=valid_at & (run == 1), other=0)
         _, base = tl.associative_scan((sdest, head), 0, _run_count)
     else:
-        base = tl.load(earlier_ptr + off, mask=valid, other=0)
+        base = tl.load(earlier_ptr + off, mask=valid_at, other=0)
     if not DEST_MAJOR:  # dest-major: the scan over [dest][tile] already holds dest's start
         base += tl.load(dest_start_ptr + sdest, mask=valid, other=0)
     pos = base.to(tl.int64) + (run - 1)
@@ -226,32 +232,69 @@ def _dispatch_scatter_kernel(
         tl.store(out_weights_ptr + pos, w, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_segments", "world_size", "num_tiles"])
+@triton.jit
+def _scan_at(scan_ptr, off, mask, INCL: tl.constexpr):
+    """The exclusive scan at ``off``: stored there, or one earlier in an inclusive scan."""
+    if INCL:
+        val = tl.load(scan_ptr + off - 1, mask=mask & (off > 0), other=0)
+    else:
+        val = tl.load(scan_ptr + off, mask=mask, other=0)
+    return val
+
+
+@triton.jit(do_not_specialize=["num_segments", "world_size", "num_tiles", "batch", "num_keys"])
 def _segment_lengths_kernel(
     earlier_ptr,
     tile_first_ptr,
     out_ptr,
+    totals_ptr,
+    key_counts_ptr,
     num_segments,
     world_size,
     num_tiles,
+    batch,
+    num_keys,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DEST_MAJOR: tl.constexpr,
+    INCL: tl.constexpr = False,
+    TOTALS: tl.constexpr = False,
+    KP: tl.constexpr = 1,
 ):
     """out[d * S + s] = earlier[tile_first[s + 1], d] - earlier[tile_first[s], d] (the
-    scan's layout: [tile][dest], or [dest][tile] with ``DEST_MAJOR``)."""
+    scan's layout: [tile][dest], or [dest][tile] with ``DEST_MAJOR``; ``INCL``: the
+    matrix holds the inclusive scan). With ``TOTALS`` (dest-major only) the programs of
+    the first segment block also write totals[d] (ids per owner) and
+    key_counts[d * K + k] (ids per owner and key: a key's segments own consecutive
+    tiles), which torch would compute in two more launches."""
     seg = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     dest = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dest < world_size
     seg_mask = seg < num_segments
-    mask = seg_mask[:, None] & (dest < world_size)[None, :]
+    mask = seg_mask[:, None] & dmask[None, :]
     first = tl.load(tile_first_ptr + seg, mask=seg_mask, other=0)
     after = tl.load(tile_first_ptr + seg + 1, mask=seg_mask, other=0)
     off_lo = _count_offset(first[:, None], dest[None, :], world_size, num_tiles, DEST_MAJOR)
     off_hi = _count_offset(after[:, None], dest[None, :], world_size, num_tiles, DEST_MAJOR)
-    lo = tl.load(earlier_ptr + off_lo, mask=mask, other=0)
-    hi = tl.load(earlier_ptr + off_hi, mask=mask, other=0)
+    lo = _scan_at(earlier_ptr, off_lo, mask, INCL)
+    hi = _scan_at(earlier_ptr, off_hi, mask, INCL)
     out_offs = dest[None, :].to(tl.int64) * num_segments + seg[:, None]
     tl.store(out_ptr + out_offs, (hi - lo).to(out_ptr.dtype.element_ty), mask=mask)
+    if TOTALS:
+        if tl.program_id(0) == 0:
+            row = dest.to(tl.int64) * num_tiles  # [dest][tile] layout
+            total = _scan_at(earlier_ptr, row + num_tiles, dmask, INCL) - _scan_at(
+                earlier_ptr, row, dmask, INCL
+            )
+            tl.store(totals_ptr + dest, total.to(tl.int64), mask=dmask)
+            k = tl.arange(0, KP)
+            kmask = (k < num_keys)[:, None] & dmask[None, :]
+            k_lo = tl.load(tile_first_ptr + k * batch, mask=k < num_keys, other=0)
+            k_hi = tl.load(tile_first_ptr + (k + 1) * batch, mask=k < num_keys, other=0)
+            a = _scan_at(earlier_ptr, row[None, :] + k_lo[:, None], kmask, INCL)
+            b = _scan_at(earlier_ptr, row[None, :] + k_hi[:, None], kmask, INCL)
+            kc_offs = dest[None, :].to(tl.int64) * num_keys + k[:, None]
+            tl.store(key_counts_ptr + kc_offs, (b - a).to(tl.int64), mask=kmask)
 
 
 def default_tile(world_size: int, device: torch.device, n: int = 0) -> int:
@@ -350,11 +393,11 @@ def ranged_dispatch_v1(
     index_dtype = torch.int32 if n < 2**31 else torch.int64
     if dest_major:
         # earlier[d, t] = output position of tile t's first id for owner d: ids of owners
-        # before d, plus ids of owner d in tiles before t (one exclusive 1-D scan)
-        flat = counts.view(-1)
-        earlier = torch.cumsum(flat, 0, dtype=index_dtype)
-        earlier -= flat
-        totals = counts.sum(1, dtype=torch.int64)
+        # before d, plus ids of owner d in tiles before t — the exclusive 1-D scan of the
+        # flattened matrix, read by the kernels as the inclusive scan one entry earlier
+        # (no subtraction launch); totals come from the scan too (segment-lengths kernel)
+        earlier = torch.cumsum(counts.view(-1), 0, dtype=index_dtype)
+        totals = torch.empty(world_size, dtype=torch.int64, device=dev)
         dest_start = earlier  # unused by the kernels in this layout
     else:
         # Scan: earlier[t, d] = ids of owner d in tiles before t (the last row: totals).
@@ -370,20 +413,24 @@ def ranged_dispatch_v1(
         values, values if weights is None else weights, block_sizes, *tiles, earlier,
         dest_start, out_values, out_values if out_weights is None else out_weights, perm,
         batch, world_size, grid, HAS_WEIGHTS=weights is not None, HEAD_LOAD=head_load,
-        **common,
+        INCL=dest_major, **common,
     )  # fmt: skip
 
     # Ids of segment s for owner d: the scan at s's first tile minus the one at s+1's.
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
+    key_counts = torch.empty(world_size, num_keys, dtype=torch.int64, device=dev)
     _segment_lengths_kernel[(triton.cdiv(nseg, 32), triton.cdiv(world_size, 64))](
-        earlier, tile_first, new_lengths, nseg, world_size, grid, BLOCK_S=32, BLOCK_D=64,
-        DEST_MAJOR=dest_major,
+        earlier, tile_first, new_lengths, totals, key_counts, nseg, world_size, grid, batch,
+        num_keys, BLOCK_S=32, BLOCK_D=64, DEST_MAJOR=dest_major, INCL=dest_major,
+        TOTALS=dest_major, KP=max(2, triton.next_power_of_2(num_keys)),
     )  # fmt: skip
+    if not dest_major:
+        key_counts = new_lengths.view(world_size, num_keys, batch).sum(2, dtype=torch.int64)
     return DispatchResult(
         values=out_values,
         lengths=new_lengths,
         splits=totals.to(torch.int64),
-        key_counts=new_lengths.view(world_size, num_keys, batch).sum(2, dtype=torch.int64),
+        key_counts=key_counts,
         unbucketize_permute=perm,
         weights=out_weights,
     )
