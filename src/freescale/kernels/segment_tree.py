@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freescale.kernels.reference import exclusive_cumsum
+
 __all__ = ["segment_tree_sum", "mask_positions_triton", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
@@ -84,12 +86,6 @@ def _chunk_tree_kernel(
     tl.store(out_ptr + j.to(tl.int64) * dim + cols, total, mask=cmask & live)
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(x.numel() + 1, dtype=torch.int64, device=x.device)
-    torch.cumsum(x, 0, out=out[1:])
-    return out
-
-
 def segment_tree_sum(
     values: torch.Tensor,
     order: torch.Tensor,
@@ -120,7 +116,7 @@ def segment_tree_sum(
     first = True
     while True:
         per_seg = torch.div(counts + (chunk - 1), chunk, rounding_mode="floor")
-        chunk_first = _exclusive_cumsum(per_seg)
+        chunk_first = exclusive_cumsum(per_seg)
         # rows this level writes: sum(ceil(c / chunk)) <= n // chunk + u (no read-back)
         grid = min(n, n // chunk + u)
         # segment of every chunk: s at chunk_first[s], carried forward by a running max
