@@ -4,6 +4,8 @@
 #                                      # Triton per-row sum (bitwise + timing), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
+#   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
+#                                      # benchmarks/kernels.py (the kernels figure)
 #   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
@@ -42,6 +44,17 @@ verify)
   echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
   timeout 200 python benchmarks/profile_dispatch.py --out "$OUT" \
     --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | grep -E "device; top|MISMATCH|wrote"
+  ;;
+kernels)
+  # the Triton per-row sum / mask positions and the dispatch kernels bitwise on CUDA, then
+  # the kernels figure (~3.5 min)
+  timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -3
+  timeout 120 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
+  echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
+  timeout 300 python benchmarks/kernels.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
+    > "$OUT/kernels.log" 2>&1
+  echo "kernels rc=$?"; tail -12 "$OUT/kernels.log"
   ;;
 host)
   for mode in vanilla freescale; do
@@ -90,5 +103,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|verify|host|check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|verify|kernels|host|check|smoke|main|ablate" >&2; exit 2 ;;
 esac
