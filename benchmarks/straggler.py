@@ -385,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(a.device)
     rank, world = ctx.rank, ctx.world_size
     if world > 1:
-        bal_comm = Communicator(dist.new_group(), name="balance")
+        # the trainer balances host batches before their copy to the GPU, so the
+        # balancer's group is gloo on every backend (as BalanceHook's own default)
+        bal_comm = Communicator(dist.new_group(backend="gloo"), name="balance")
     else:
         bal_comm = Communicator(None, name="balance")
     os.makedirs(a.out, exist_ok=True)
