@@ -183,6 +183,7 @@ def train_config(a: argparse.Namespace, max_uih: int, world: int) -> TrainConfig
         log_every=10**9,
         progress=False,
         device=a.device,
+        timing=a.timing,
     )
 
 
@@ -324,6 +325,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--git-sha", default=None)
     p.add_argument(
+        "--timing",
+        choices=["auto", "sync", "events"],
+        default="auto",
+        help="per-rank dense time: 'events' = CUDA events read a step later (no host "
+        "sync; the GPU default), 'sync' = host timers around a stream sync (CPU)",
+    )
+    p.add_argument(
         "--merge",
         default=None,
         help="an earlier straggler.json of the same workload: its rows for max UIH values "
@@ -383,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ctx = init_distributed(a.device)
+    if a.timing == "auto":
+        a.timing = "events" if ctx.device.type == "cuda" else "sync"
     rank, world = ctx.rank, ctx.world_size
     if world > 1:
         # the trainer balances host batches before their copy to the GPU, so the
@@ -416,7 +426,13 @@ def main(argv: list[str] | None = None) -> int:
             "steps": a.steps,
             "warmup_steps_dropped": a.warmup,
             "dense_time": "trainer rec['dense_ms_per_rank']: forward + backward minus the "
-            "embedding exchange / lookup / update, host timers around a compute-stream sync",
+            "embedding exchange / lookup / update, "
+            + (
+                "from CUDA events on the compute stream (TrainConfig.timing='events')"
+                if a.timing == "events"
+                else "host timers around a compute-stream sync (TrainConfig.timing='sync')"
+            ),
+            "timing": a.timing,
             "straggler_share": "(max - mean) / max over ranks of dense time, per step",
         },
     }
