@@ -6,6 +6,8 @@
 #   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
 #                                      # benchmarks/kernels.py (the kernels figure)
+#   bash benchmarks/e2e_gpu.sh sparse  # ~3 min: padded sparse update bitwise on CUDA + 150-step
+#                                      # vanilla (sync vs padded update) and freescale runs
 #   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
@@ -56,6 +58,19 @@ kernels)
     > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; tail -12 "$OUT/kernels.log"
   ;;
+sparse)
+  # the padded (read-back-free) sparse update: bitwise vs the synchronous one on CUDA,
+  # then 150-step runs: vanilla with each update, freescale with the padded one (~3 min)
+  timeout 100 python benchmarks/check_sparse_update_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -4
+  for run in vanilla:sync vanilla:padded freescale:padded; do
+    mode=${run%%:*}; upd=${run##*:}
+    FREESCALE_SPARSE_UPDATE=$upd timeout 120 python -m freescale.cli train --device cuda \
+      --nproc 2 --steps 150 --mode "$mode" --timing events --profile-steps 5 --zipf-s 0.6 \
+      --trace-dir "/tmp/trace_sparse_${mode}_${upd}" --no-progress > "$OUT/sparse_${mode}_$upd.log" 2>&1
+    echo "== $mode update=$upd rc=$?"; grep -E "QPS|GPU per step|eval NE|Error" "$OUT/sparse_${mode}_$upd.log"
+  done
+  ;;
 host)
   for mode in vanilla freescale; do
     FREESCALE_PROFILE_STACK=1 timeout 150 python -m freescale.cli train --device cuda --nproc 2 \
@@ -103,5 +118,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|verify|kernels|host|check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|ablate" >&2; exit 2 ;;
 esac

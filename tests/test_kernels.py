@@ -520,6 +520,30 @@ def test_segment_tree_sum_keeps_negative_zero_and_tree_order():
 
 
 @needs_triton
+def test_segment_tree_sum_on_padded_groups(gen):
+    """The CUDA sparse update's grouping (group_rows_padded: one slot per id, empty
+    padding segments, an upper-bound max count): the Triton per-row sum equals the
+    reference on unpadded groups bit for bit on the real slots, incl. a row holding
+    every id and all-distinct ids."""
+    from freescale.embedding.reduce import group_rows, group_rows_padded, segment_sum_reference
+    from freescale.kernels.segment_tree import segment_tree_sum
+
+    cases = [torch.zeros(70, dtype=torch.int64), torch.arange(40), torch.tensor([3])]
+    cases += [torch.randint(0, hi, (n,), generator=gen) for n, hi in ((1200, 3), (500, 90))]
+    for keys in cases:
+        vals = torch.randn(keys.numel(), 5, generator=gen) * 1e3
+        vals[torch.rand(vals.shape, generator=gen) < 0.2] = -0.0
+        ref = segment_sum_reference(vals, group_rows(keys))
+        pg = group_rows_padded(keys)
+        g = pg.groups
+        u = int(pg.num_rows)
+        for chunk in (2, 32):
+            got = segment_tree_sum(vals, g.order, g.starts, g.counts, g.max_count, chunk=chunk)
+            assert got.shape == (keys.numel(), 5)
+            assert torch.equal(_bits(got[:u]), _bits(ref)), (keys.numel(), chunk)
+
+
+@needs_triton
 def test_mask_positions_triton_matches_reference(gen):
     """The two-launch mask positions (CUDA path of embedding.reduce.mask_positions)
     equal the reference and torch.nonzero on fresh random masks, incl. empty/full."""

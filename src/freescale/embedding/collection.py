@@ -24,7 +24,9 @@ It may not touch the dense model, and never reads data other than the ids given 
 from __future__ import annotations
 
 import math
+import os
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +38,48 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
 from ..kernels.reference import owner_and_local
 from .optim import FusedSparseOptimizer
-from .reduce import group_rows, segment_sum
+from .reduce import group_rows, group_rows_padded, segment_sum
+
+# how the owner groups a step's gradients by row before the fused update:
+# "auto" (padded on CUDA: no device read-back; sync on CPU, where a read-back is free),
+# "sync" (group_rows: reads the unique-row count back) or "padded" (group_rows_padded).
+# Both give bit-identical parameters and optimizer state.
+SPARSE_UPDATE_ENV_VAR = "FREESCALE_SPARSE_UPDATE"
+
+
+class DeviceTally:
+    """Host ``int`` counters fed with device scalars without a read-back: each value is
+    copied to pinned host memory behind an event on the current stream; :meth:`poll`
+    adds the copies that finished (never waits), :meth:`settle` waits for all. The
+    counters lag the device by the copies still in flight."""
+
+    def __init__(self) -> None:
+        self._q: deque[tuple[object, str, torch.Tensor, torch.cuda.Event]] = deque()
+
+    def add(self, target: object, attr: str, value: torch.Tensor | int) -> None:
+        if isinstance(value, int) or not value.is_cuda:
+            setattr(target, attr, getattr(target, attr) + int(value))
+            return
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._q.append((target, attr, host, ev))
+        self.poll()
+
+    def poll(self, wait: bool = False) -> None:
+        while self._q:
+            target, attr, host, ev = self._q[0]
+            if wait:
+                ev.synchronize()
+            elif not ev.query():
+                return
+            setattr(target, attr, getattr(target, attr) + int(host.sum()))
+            self._q.popleft()
+
+    def settle(self) -> None:
+        self.poll(wait=True)
+
 
 __all__ = ["RowWisePlan", "ShardedEmbeddingCollection", "ExchangeStats", "init_table_rows"]
 
@@ -122,7 +165,7 @@ class ExchangeStats:
     ids_received: int = 0
     emb_bytes_sent: int = 0
     grad_bytes_sent: int = 0
-    rows_updated: int = 0
+    rows_updated: int = 0  # padded path (CUDA): added via the tally, may lag until settled
     host_counts_used: int = 0  # id dists that took their counts from the host
     times: dict[str, float] = field(default_factory=dict)
 
@@ -204,6 +247,7 @@ class ShardedEmbeddingCollection(nn.Module):
         # shard-tensor row offset of each feature's table, indexed by feature
         self._feature_offset_dev = self._table_offsets[self._feature_table].to(self.device)
         self.stats = ExchangeStats()
+        self.tally = DeviceTally()  # device-side counts on their way into the stats
         # host count matrices registered ahead (register_counts), keyed by the identity
         # of the first feature's ids tensor (a strong reference is kept, so ids of freed
         # tensors cannot alias); a few batches at most
@@ -378,9 +422,28 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def apply_gradients(
         self, keys: torch.Tensor, grads: torch.Tensor, step: int, lr: float | None
-    ) -> int:
+    ) -> torch.Tensor | int:
         """Owner side: sum ``grads`` per shard row ``keys`` in the fixed order and apply the
-        fused optimizer with step index ``step``. Returns the number of rows updated."""
+        fused optimizer with step index ``step``. Returns the number of rows updated: an
+        ``int``, or a one-element device tensor on the padded path (feed it to
+        ``self.tally``; ``stats.rows_updated`` gets it that way).
+
+        The padded path (``$FREESCALE_SPARSE_UPDATE``, default on CUDA) never reads back:
+        it sums and updates one slot per id, padding slots repeating the last real row
+        (:class:`~freescale.embedding.reduce.PaddedRowGroups`), so each row is written
+        only with its one bit-exact new value."""
+        mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
+        if mode not in ("auto", "sync", "padded"):
+            raise ValueError(f"{SPARSE_UPDATE_ENV_VAR} must be auto, sync or padded: {mode!r}")
+        if mode == "padded" or (mode == "auto" and keys.is_cuda):
+            pg = group_rows_padded(keys)
+            if keys.numel() == 0:
+                return 0
+            summed = segment_sum(grads, pg.groups).index_select(0, pg.fill)
+            rows = pg.groups.rows.index_select(0, pg.fill)
+            self.optimizer.step(rows, summed, step=step, lr=lr)
+            self.tally.add(self.stats, "rows_updated", pg.num_rows)
+            return pg.num_rows
         groups = group_rows(keys)
         summed = segment_sum(grads, groups)
         self.optimizer.step(groups.rows, summed, step=step, lr=lr)

@@ -629,8 +629,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ):
             keys, grads = keys[:-1], grads[:-1]
             self._mutation_fired = True
-        n = self.apply_gradients(keys, grads, step, lr)
-        self.pstats.deferred_rows += n
+        self.tally.add(self.pstats, "deferred_rows", self.apply_gradients(keys, grads, step, lr))
         self.pstats.deferred_ids += int(keys.numel())
         self._toc("deferred_update", t0)
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "PaddedRowGroups",
     "RowGroups",
     "group_rows",
+    "group_rows_padded",
     "group_rows_reference",
     "mask_positions",
     "mask_positions_reference",
@@ -95,6 +97,54 @@ def group_rows(keys: torch.Tensor) -> RowGroups:
     counts[:-1] = starts[1:] - starts[:-1]
     counts[-1:] = n - starts[-1:]
     return RowGroups(order, sorted_keys.index_select(0, starts), starts, counts, max_count)
+
+
+@dataclass
+class PaddedRowGroups:
+    """:func:`group_rows` without a device read-back: every array has one slot per id
+    (``n``), the unique-row count ``u`` stays on the device.
+
+    ``groups``: slots ``< u`` are exactly :func:`group_rows`'s rows / starts / counts;
+    slots ``>= u`` are empty segments (count 0; their start and row are in range but
+    meaningless), and ``max_count`` is ``n``, an upper bound (the Triton per-row sum takes
+    ``ceil(log_32 n)`` levels; a level over finished segments adds -0.0: same bits).
+    ``fill``: slot -> ``min(slot, u - 1)``; indexing per-row results with it makes every
+    padding slot a copy of the last real row, so a scatter of the padded results writes
+    each row only with bit-identical values (deterministic without knowing ``u``).
+    ``num_rows``: ``u`` as a one-element int64 device tensor."""
+
+    groups: RowGroups
+    fill: torch.Tensor
+    num_rows: torch.Tensor
+
+
+def group_rows_padded(keys: torch.Tensor) -> PaddedRowGroups:
+    """Stable-sort ``keys`` and find each unique key's segment, shapes fixed by
+    ``keys.numel()`` (see :class:`PaddedRowGroups`): no host synchronisation, the GPU
+    path of the sparse update (``group_rows`` reads the row count back, which made the
+    backward thread wait for the whole dense backward)."""
+    keys = keys.to(torch.int64)
+    n = keys.numel()
+    dev = keys.device
+    if n == 0:
+        e = keys.new_zeros(0)
+        return PaddedRowGroups(RowGroups(e, e, e, e, 0), e, keys.new_zeros(1))
+    sorted_keys, order = torch.sort(keys, stable=True)
+    is_start = torch.ones(n, dtype=torch.bool, device=dev)
+    is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    seg = torch.cumsum(is_start, 0) - 1  # segment of every sorted position
+    u = seg[-1:] + 1
+    slot = torch.arange(n, device=dev)
+    # starts[k] = position of the k-th start; non-starts land in the dropped slot n
+    starts = torch.full((n + 1,), n - 1, dtype=torch.int64, device=dev)
+    starts.scatter_(0, torch.where(is_start, seg, n), slot)
+    starts = starts[:n]
+    nxt = torch.cat([starts[1:], starts.new_full((1,), n)])
+    nxt = torch.where(slot + 1 < u, nxt, n)
+    counts = torch.where(slot < u, nxt - starts, 0)
+    rows = sorted_keys.index_select(0, starts)
+    fill = torch.minimum(slot, u - 1)
+    return PaddedRowGroups(RowGroups(order, rows, starts, counts, n), fill, u)
 
 
 def group_rows_reference(keys: torch.Tensor) -> RowGroups:

@@ -487,11 +487,15 @@ class Trainer:
         return batch.to(self.device, non_blocking=True)
 
     def flush(self) -> None:
-        """Apply every deferred embedding update (a no-op for the vanilla schedule).
-        Called before evaluation, checkpoints, errors and the end of training."""
+        """Apply every deferred embedding update (a no-op for the vanilla schedule) and
+        settle the sparse collection's device-side counters. Called before evaluation,
+        checkpoints, errors and the end of training."""
         flush = getattr(self.sparse, "flush", None)
         if flush is not None:
             flush()
+        tally = getattr(self.sparse, "tally", None)
+        if tally is not None:
+            tally.settle()  # device-side row counts into the stats (waits for them)
 
     def train_step(
         self, batch: JaggedBatch, next_batch: JaggedBatch | None = None
