@@ -31,7 +31,11 @@ Schedule of training step t (``forward(features_t, next_features=features_{t+1})
     and takes the same guardrail decision before any exclusive lookup of t+1. If t+1
     is prioritized: look up t+1's exclusive rows and start sending them (side
     communicator, asynchronous). The split puts the two host read-backs where the side
-    stream's work is long finished, instead of before the dense forward is queued;
+    stream's work is long finished, instead of before the dense forward is queued: the
+    counts are copied to pinned memory behind an event as soon as they are computed (the
+    read waits for that event only), and the mask exchange, which reads and writes no
+    row, runs before (a) (after it, the exchange would queue behind (a)'s update kernels
+    on the side stream); the split and the exclusive lookup run after (a);
 (c) wait only for t's collision embeddings (sent by the backward of t-1) and t's
     exclusive embeddings (sent by (b) of t-1); merge them into batch-major order.
     Without a prioritized lookahead for t (first step, after :meth:`flush`, after a
@@ -220,6 +224,13 @@ class _PendingAhead:
     coll_n: torch.Tensor  # owner: ids of t+1 whose row t touches
     reap_t: torch.Tensor  # owner: ids of t whose row t+1 touches
     counts: torch.Tensor  # [reappear per source | collision per source | coll rows, rows]
+    # CUDA: the counts copied to pinned host memory right after they are computed (side
+    # stream, t's forward) and the event behind that copy: the read in t's backward
+    # waits for that event only, not for whatever the side stream holds by then
+    counts_host: torch.Tensor | None = None
+    counts_ready: Any = None
+    # the mask exchange's result when it ran ahead of (a) in t's backward
+    exchanged: tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]] | None = None
 
 
 @dataclass
@@ -686,8 +697,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         counts = torch.cat(
             [reap_per_src, coll_per_src, torch.stack([coll_rows, total_rows]).to(torch.int64)]
         )
+        counts_host, counts_ready = None, None
+        if self._side_stream is not None:
+            counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            counts_host.copy_(counts, non_blocking=True)
+            counts_ready = self._event_on_side()
         self._toc("collision_detect", t0)
-        return _PendingAhead(dist_t, dn, values, lengths, coll_n, reap_t, counts)
+        return _PendingAhead(
+            dist_t, dn, values, lengths, coll_n, reap_t, counts, counts_host, counts_ready
+        )
 
     def _look_ahead_rest(self, p: _PendingAhead) -> tuple[_Ahead, _GradSplit | None]:
         """(b), second half: read the counts (one read-back), exchange the masks (the
@@ -695,10 +713,11 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         dist_t, dn, coll_n, reap_t = p.dist_t, p.dn, p.coll_n, p.reap_t
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
         values, lengths = p.values, p.lengths
-        t0 = self._tic()
-        coll_y, reap_y, decision, sums = self._mask_exchange(dist_t, dn, coll_n, reap_t, p.counts)
+        if p.exchanged is None:
+            self._exchange_masks(p)
+        assert p.exchanged is not None
+        coll_y, reap_y, decision, sums = p.exchanged
         tr, own = sums
-        self._toc("collision_detect", t0)
         coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
         coll_rows, total_rows = int(tr[:, 4].sum()), int(tr[:, 5].sum())
         ps = self.pstats
@@ -763,6 +782,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self._toc("excl_lookup", t0)
         return ahead, split
 
+    def _exchange_masks(self, p: _PendingAhead) -> None:
+        """(b)'s mask exchange and its two host reads, stored in ``p.exchanged``. In t's
+        backward it runs on the side stream *before* (a): issued after (a)'s deferred
+        update, the exchange (and so its read) would wait for that update's kernels."""
+        t0 = self._tic()
+        p.exchanged = self._mask_exchange(p.dist_t, p.dn, p.coll_n, p.reap_t, p.counts, p)
+        self._toc("collision_detect", t0)
+
     def _mask_exchange(
         self,
         dist_t: _IdDist,
@@ -770,6 +797,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         coll_n: torch.Tensor,
         reap_t: torch.Tensor,
         counts: torch.Tensor,
+        p: _PendingAhead | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
         """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
         t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
@@ -778,8 +806,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         same global rate and take the same guardrail decision."""
         w, dev = self.comm.world_size, self.device
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
-        # one read-back: counts per source, then (collision rows, distinct rows of t+1)
-        own = counts.cpu().tolist()
+        # one read-back: counts per source, then (collision rows, distinct rows of t+1);
+        # from the pinned copy made when they were computed where there is one
+        if p is not None and p.counts_ready is not None and p.counts_host is not None:
+            p.counts_ready.synchronize()
+            own = p.counts_host.tolist()
+        else:
+            own = counts.cpu().tolist()
         coll_rows, total_rows = own[2 * w], own[2 * w + 1]
         own = own[: 2 * w]
         totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
@@ -849,6 +882,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
+            if not stale and ctx.pending is not None:  # (b)'s mask exchange, ahead of (a)
+                with self._on_side():
+                    self._exchange_masks(ctx.pending)
             if self._deferred is not None and self._mutation != "early_exclusive_lookup":
                 with self._on_side():  # (a), before anything below reads or writes rows
                     self._apply_deferred()
