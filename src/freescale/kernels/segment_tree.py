@@ -42,6 +42,7 @@ def _chunk_tree_kernel(
     chunk_first_ptr,
     chunk_seg_ptr,
     out_ptr,
+    res_ptr,
     num_segments,
     dim,
     GATHER: tl.constexpr,
@@ -50,9 +51,11 @@ def _chunk_tree_kernel(
     LOG_CHUNK: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """Program (j, d-block): output row j = the tree sum of chunk j of segment
-    chunk_seg[j]; segment s owns output rows [chunk_first[s], chunk_first[s + 1]) and
-    its chunk m covers the segment's elements [m * CHUNK, (m + 1) * CHUNK)."""
+    """Program (j, d-block): the tree sum of chunk j of segment s = chunk_seg[j]; s owns
+    chunks [chunk_first[s], chunk_first[s + 1]) and its chunk m covers the segment's
+    elements [m * CHUNK, (m + 1) * CHUNK). A segment of at most CHUNK elements is done:
+    its one chunk sum is stored to result row s; otherwise to out row j (the next
+    level's input)."""
     j = tl.program_id(0)
     live = j < tl.load(chunk_first_ptr + num_segments)  # grid is an upper bound
     seg = tl.load(chunk_seg_ptr + j)
@@ -83,7 +86,10 @@ def _chunk_tree_kernel(
         a, b = tl.split(pairs)
         xt = a + b
     total = tl.reshape(xt, [BD])
-    tl.store(out_ptr + j.to(tl.int64) * dim + cols, total, mask=cmask & live)
+    done = count <= CHUNK
+    row = tl.where(done, seg, j).to(tl.int64)
+    dst = tl.where(done, res_ptr, out_ptr)
+    tl.store(dst + row * dim + cols, total, mask=cmask & live)
 
 
 def segment_tree_sum(
@@ -113,28 +119,38 @@ def segment_tree_sum(
     src, gather = flat, order.to(torch.int64).contiguous()
     starts, counts = starts.to(torch.int64), counts.to(torch.int64)
     longest = max(int(max_count), 1)
+    res = torch.empty(u, dim, dtype=flat.dtype, device=flat.device)
+    # host-known bounds of this level: elements in unfinished segments (m), unfinished
+    # segments (k); a segment of c elements has ceil(c / chunk) <= c // chunk + 1 chunks
+    m, k = n, min(u, n)
     first = True
     while True:
         per_seg = torch.div(counts + (chunk - 1), chunk, rounding_mode="floor")
         chunk_first = exclusive_cumsum(per_seg)
-        # rows this level writes: sum(ceil(c / chunk)) <= n // chunk + u (no read-back)
-        grid = min(n, n // chunk + u)
+        grid = max(min(m, m // chunk + k), 1)  # chunks this level (no read-back)
         # segment of every chunk: s at chunk_first[s], carried forward by a running max
-        # (no per-program binary search: its dependent loads dominated on an H200)
-        chunk_seg = torch.zeros(grid, dtype=torch.int64, device=flat.device)
-        chunk_seg.scatter_(0, chunk_first[:-1], torch.arange(u, device=flat.device))
-        chunk_seg = torch.cummax(chunk_seg, 0).values
+        # (no per-program binary search: its dependent loads dominated on an H200). Empty
+        # segments share their chunk_first with the next non-empty one: the max keeps
+        # the non-empty (last) one; chunk_first past the grid lands in a dropped slot
+        chunk_seg = torch.zeros(grid + 1, dtype=torch.int64, device=flat.device)
+        chunk_seg.scatter_reduce_(
+            0, chunk_first[:-1].clamp(max=grid), torch.arange(u, device=flat.device), "amax"
+        )
+        chunk_seg = torch.cummax(chunk_seg[:grid], 0).values
         out = torch.empty(grid, dim, dtype=flat.dtype, device=flat.device)
         _chunk_tree_kernel[(grid, triton.cdiv(dim, bd))](
-            src, gather, starts, counts, chunk_first, chunk_seg, out, u, dim,
+            src, gather, starts, counts, chunk_first, chunk_seg, out, res, u, dim,
             GATHER=first, IS64=flat.dtype == torch.float64, CHUNK=chunk, LOG_CHUNK=log_chunk, BD=bd,
         )  # fmt: skip
+        # segments of more than one chunk go on with their chunk sums; the others are done
         longest = -(-longest // chunk)
-        if longest <= 1:  # one chunk per segment: row chunk_first[s] is segment s's sum
-            res = out.index_select(0, chunk_first[:-1])
+        k = min(k, m // (chunk + 1))
+        m = min(grid, m // chunk + k)
+        if longest <= 1 or k == 0:
             return res.reshape(u, *values.shape[1:])
-        src, n, first = out, grid, False
-        starts, counts = chunk_first[:-1], per_seg
+        src, first = out, False
+        starts = chunk_first[:-1]
+        counts = torch.where(per_seg > 1, per_seg, 0)
 
 
 # ---------------------------------------------------------------------------------------
