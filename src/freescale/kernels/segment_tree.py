@@ -10,13 +10,16 @@ chunked version exact:
 * the tree's first log2(C) levels stay inside aligned chunks of C elements, and the
   later levels combine the chunk sums by the same pairwise rule over chunk indices; so
   the sum of a segment of c elements is the same tree applied to its ceil(c / C) chunk
-  sums — one kernel launch per level, ceil(log_C(longest segment)) levels;
+  sums — one kernel launch per level, ceil(log_C(longest segment)) levels. A segment
+  of at most C elements at a level is finished there (its chunk sum goes straight to
+  the result row), so a later level runs only over the unfinished segments: at most
+  1 / (C + 1) of the previous level's elements (host-known grid bounds, no read-back);
 * a missing right partner ("pass through") equals adding -0.0, the exact additive
   identity of IEEE round-to-nearest (x + -0.0 == x bitwise, for x = -0.0 too), so a
   chunk is loaded with -0.0 in its empty lanes and reduced as a full power-of-two tree.
 
 Adds are in the values' dtype (float32 or float64; other dtypes use the reference).
-Deterministic: no atomics; each output element has one writer. On CPU tensors this
+Deterministic: no float atomics; each output element has one writer. On CPU tensors this
 module needs ``TRITON_INTERPRET=1`` set before triton is first imported (tests).
 """
 
