@@ -12,7 +12,8 @@
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
-#   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor),
+#   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
+#                                      # cross-rank shuffle (cross-rank floor),
 #                                      # sdd, freescale (~6.5 min)
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
@@ -105,7 +106,7 @@ smoke)
   ;;
 main)
   timeout 570 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
-    --variants vanilla vanilla_reordered vanilla_reordered_b sdd freescale \
+    --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_shuffled sdd freescale \
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   ;;

@@ -34,7 +34,7 @@ from freescale.data.batch import JaggedBatch
 
 torch.set_num_threads(1)
 
-NAMES = ["identity", "fbs", "vbs", "kk"]
+NAMES = ["identity", "fbs", "vbs", "kk", "shuffle"]
 
 
 def heavy_lengths(rng: np.random.Generator, n: int, sigma: float = 1.5, cap: int = 20_000):
@@ -70,6 +70,25 @@ def test_partitioner_invariants_and_determinism(name):
         assert a.rank_sums(c).max() >= lower_bound(c, w) * (1 - 1e-12)
         if name != "vbs":
             assert a.counts.max() - a.counts.min() <= 1
+
+
+def test_shuffle_moves_samples_and_ignores_costs():
+    """The diagnostic partitioner: equal counts, samples really cross ranks, the plan
+    depends on the list (not on the cost scale), and it does not balance."""
+    rng = np.random.default_rng(int(rng_seed()))
+    ln = heavy_lengths(rng, 512)
+    a = get_partitioner("shuffle")(ln.astype(np.float64), 8)
+    home = identity(ln.astype(np.float64), 8)
+    assert (a.rank_of != home.rank_of).sum() > 256  # most samples move (7/8 expected)
+    assert a.equals(get_partitioner("shuffle")(ln.astype(np.float64) * 3.0 + 1.0, 8))
+    assert not a.equals(get_partitioner("shuffle")(np.roll(ln, 1).astype(np.float64), 8))
+    assert set(a.counts.tolist()) == {64}
+
+
+def rng_seed() -> int:
+    s = int(np.random.SeedSequence().entropy % (1 << 31))
+    print(f"seed {s}")
+    return s
 
 
 def test_canonical_order_breaks_ties_by_index():

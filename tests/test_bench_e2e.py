@@ -103,7 +103,13 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert rows["freescale_nccl_overlap"]["summary"]["overlap_backend"] != "host_staged"
     # tier 2: balancing and the legal reordering change summation orders (float64)
     reordered = ("vanilla_reordered", "vanilla_reordered_b")
-    for name in ("balance_fbs", "freescale", "freescale_nccl_overlap", *reordered):
+    for name in (
+        "balance_fbs",
+        "freescale",
+        "freescale_nccl_overlap",
+        "vanilla_shuffled",
+        *reordered,
+    ):
         for p, q in zip(rows[name]["ne_curve"], van["ne_curve"]):
             assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
     assert report["headline"]["ne_rel_diff"] <= F64_TOL
@@ -112,6 +118,10 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert set(samples) == set(reordered) and min(samples.values()) > 0.0  # both are real
     assert report["headline"]["ne_noise_floor"] == max(samples.values())
     assert rows["vanilla_reordered"]["ne_curve"] != rows["vanilla_reordered_b"]["ne_curve"]
+    # the cross-rank floor: vanilla with samples moved across ranks (costs ignored)
+    # (float64 here: the moved samples can leave the final NE bit-equal, as balance_fbs)
+    assert 0.0 <= report["headline"]["ne_cross_rank_floor"] <= F64_TOL
+    assert "ne_rel_diff_vanilla_shuffled" not in report["headline"]
     # CPU: no GPU activity to account; said so, never invented
     assert van["gpu_accounting"]["profiled_steps"] == 2
     assert not van["gpu_accounting"]["available"]
@@ -129,7 +139,7 @@ def test_e2e_report_numerics(pool2, tmp_path):
         a = rows[name]["activity"]
         assert a["prioritized_steps"] > 0, a
         assert a["collision_rows"] > 0 and a["deferred_rows"] > 0, a
-    for name in ("balance_fbs", "freescale"):
+    for name in ("balance_fbs", "freescale", "vanilla_shuffled"):
         assert rows[name]["activity"]["samples_moved"] > 0, rows[name]["activity"]
     assert van["activity"]["prioritized_steps"] == 0
     assert van["activity"]["samples_moved"] == 0

@@ -1,7 +1,8 @@
 """Sample-to-rank partitioners of the sequence load balancer (the *balancer* role).
 
 Owns: :class:`Assignment` (sample -> rank map plus, per rank, its samples in ascending
-global order), the partition functions ``identity``, ``fbs``, ``vbs`` and ``kk``, the
+global order), the partition functions ``identity``, ``fbs``, ``vbs`` and ``kk`` (and ``shuffle``, a
+diagnostic that ignores costs), the
 :class:`Partitioner` protocol with its name registry, :func:`lower_bound` and
 :func:`straggler_share`.
 
@@ -20,6 +21,7 @@ path); costs then only provide the weights.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ __all__ = [
     "fbs",
     "vbs",
     "kk",
+    "shuffle",
     "lower_bound",
     "straggler_share",
     "canonical_order",
@@ -388,12 +391,39 @@ def kk(costs: np.ndarray, world_size: int, *, sort_key: np.ndarray | None = None
     )
 
 
+def shuffle(
+    costs: np.ndarray, world_size: int, *, sort_key: np.ndarray | None = None
+) -> Assignment:
+    """A diagnostic, not a balancer: equal counts (as ``identity``), samples dealt to
+    ranks in a pseudo-random order that ignores costs, seeded by a hash of the global
+    list's canonical order (``sort_key`` if given, else ``costs``), so every rank
+    computes the same plan.
+    Training with it is vanilla with samples legally moved across ranks: its distance
+    to unbalanced training is the cross-rank noise floor of the tier-2 contract (what
+    balancing's sample moves alone cost in float32), next to the in-rank floor of
+    DESIGN.md section 1. O(N)."""
+    c = _check(costs, world_size)
+    n = c.size
+    # seeded by the canonical order of the list: costs and an order-equal sort_key
+    # give the same plan, as for the other partitioners
+    order = np.ascontiguousarray(canonical_order(c if sort_key is None else sort_key))
+    seed = int.from_bytes(hashlib.sha256(order.astype(np.int64).tobytes()).digest()[:8], "little")
+    perm = np.random.default_rng(seed).permutation(n)
+    base, extra = divmod(n, world_size)
+    counts = np.full(world_size, base, dtype=np.int64)
+    counts[:extra] += 1
+    rank_of = np.empty(n, dtype=np.int64)
+    rank_of[perm] = np.repeat(np.arange(world_size, dtype=np.int64), counts)
+    return Assignment.from_ranks(rank_of, world_size)
+
+
 # ------------------------------------------------------------------------ registry
 PARTITIONERS: dict[str, Callable[..., Assignment]] = {
     "identity": identity,
     "fbs": fbs,
     "vbs": vbs,
     "kk": kk,
+    "shuffle": shuffle,
 }
 
 

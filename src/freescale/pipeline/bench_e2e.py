@@ -14,6 +14,10 @@ Variants (:data:`VARIANTS`):
   its distance to ``vanilla`` is the NE noise floor (``ne_noise_floor``);
   ``vanilla_reordered_b``: a second such order (another seed): with both, the floor is
   the larger of the two distances (one sample of the float32 noise band can fall low);
+* ``vanilla_shuffled``: vanilla with samples moved across ranks by the ``shuffle``
+  partitioner (equal counts, pseudo-random, costs ignored): its distance to ``vanilla``
+  is the cross-rank noise floor (``ne_cross_rank_floor``), what moving samples alone
+  costs in float32 (balancing also moves them; DESIGN.md's floor permutes inside ranks);
 * ``sdd``: vanilla, but the ids of step t+1 are distributed during step t (bitwise equal);
 * ``prioritized``: prioritized embedding updates (DESIGN.md 2.2; bitwise equal to
   vanilla, tier 1);
@@ -63,6 +67,7 @@ VARIANTS = (
     "vanilla",
     "vanilla_reordered",
     "vanilla_reordered_b",
+    "vanilla_shuffled",
     "sdd",
     "prioritized",
     "balance_fbs",
@@ -74,6 +79,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla": ("vanilla", None),
     "vanilla_reordered": ("vanilla", None),
     "vanilla_reordered_b": ("vanilla", None),
+    "vanilla_shuffled": ("vanilla", "shuffle"),
     "sdd": ("sdd", None),
     "prioritized": ("prioritized", None),
     "balance_fbs": ("vanilla", "fbs"),
@@ -364,6 +370,12 @@ def headline(
             out["ne_within_noise_floor"] = bool(out["ne_rel_diff"] <= out["ne_noise_floor"])
     else:
         missing.append("ne_noise_floor")
+    if "vanilla_shuffled" in by:
+        cross = out.pop("ne_rel_diff_vanilla_shuffled", None)
+        if cross is not None:
+            out["ne_cross_rank_floor"] = cross
+            if "ne_rel_diff" in out:
+                out["ne_within_cross_rank_floor"] = bool(out["ne_rel_diff"] <= cross)
     if baseline is not None:
         bw = int(baseline.get("world_size") or 1)
         base = {r["variant"]: r for r in baseline.get("rows", [])}
