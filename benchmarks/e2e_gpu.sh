@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
-#   bash benchmarks/e2e_gpu.sh verify  # ~3 min: the CPU-tested-only changes on GPUs: the
-#                                      # Triton per-row sum (bitwise + timing), tier-1
+#   bash benchmarks/e2e_gpu.sh verify  # ~3.5 min: the CPU-tested-only changes on GPUs: the
+#                                      # Triton per-row sum (bitwise + timing), the padded
+#                                      # sparse update (bitwise vs synchronous), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
@@ -40,6 +41,8 @@ first)
 verify)
   timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
     --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -3
+  timeout 100 python benchmarks/check_sparse_update_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -1
   timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
   echo "check_prioritized_cuda rc=$?"; tail -8 "$OUT/verify_prioritized.log"
