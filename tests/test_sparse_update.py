@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from freescale.comm.base import Communicator
-from freescale.config import SparseOptimConfig, TableConfig
+from freescale.config import SparseOptimConfig, TableConfig, TrainConfig
 from freescale.embedding.collection import (
     SPARSE_UPDATE_ENV_VAR,
     DeviceTally,
@@ -123,6 +123,15 @@ def test_sparse_update_mode_is_checked(monkeypatch):
     monkeypatch.setenv(SPARSE_UPDATE_ENV_VAR, "fast")
     with pytest.raises(ValueError, match="FREESCALE_SPARSE_UPDATE"):
         emb.apply_gradients(torch.tensor([1]), torch.ones(1, 8), 1, None)
+    emb.sparse_update = "padded"  # the config's choice wins over the environment
+    assert isinstance(
+        emb.apply_gradients(torch.tensor([1]), torch.ones(1, 8), 1, None), torch.Tensor
+    )
+    emb.sparse_update = "fast"
+    with pytest.raises(ValueError, match="sparse_update"):
+        emb.apply_gradients(torch.tensor([1]), torch.ones(1, 8), 1, None)
+    with pytest.raises(ValueError, match="sparse_update"):
+        TrainConfig(sparse_update="fast")  # type: ignore[arg-type]
 
 
 def test_device_tally_counts_host_values_at_once():

@@ -96,6 +96,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "boundaries) or events (CUDA events read a step later; for throughput)",
     )
     p.add_argument(
+        "--sparse-update",
+        choices=["auto", "sync", "padded"],
+        default="auto",
+        help="owner's sparse update: padded (no device read-back; auto on CUDA) or sync "
+        "(reads the row count back; auto on CPU). Bit-identical results",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -214,6 +221,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         mode=args.mode,
         max_collision_rate=args.max_collision_rate,
         timing=args.timing,
+        sparse_update=getattr(args, "sparse_update", "auto"),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,

@@ -153,6 +153,11 @@ class TrainConfig:
     # and reads them one step later (no host sync on the compute stream for timing; the
     # mode for throughput measurements). Identical numerics either way.
     timing: Literal["sync", "events"] = "sync"
+    # the owner's sparse update: "padded" groups gradients into one slot per id with no
+    # device read-back (embedding/reduce.group_rows_padded), "sync" reads the unique-row
+    # count back (group_rows); "auto": padded on CUDA, sync on CPU, unless
+    # $FREESCALE_SPARSE_UPDATE says otherwise. Bit-identical parameters either way.
+    sparse_update: Literal["auto", "sync", "padded"] = "auto"
     # id-dist split sizes counted on the host one step ahead (no device read-back in the
     # id dist; DESIGN.md 3); None: on with CUDA, off on CPU (where it only adds work)
     host_counts: bool | None = None
@@ -175,6 +180,10 @@ class TrainConfig:
             raise ValueError("steps must be >= 0")
         if self.timing not in ("sync", "events"):
             raise ValueError(f"timing must be 'sync' or 'events', got {self.timing!r}")
+        if self.sparse_update not in ("auto", "sync", "padded"):
+            raise ValueError(
+                f"sparse_update must be auto | sync | padded, got {self.sparse_update!r}"
+            )
         if self.overlap_backend not in ("default", "auto", "host_staged", "copy_engine"):
             raise ValueError(
                 "overlap_backend must be default | auto | host_staged | copy_engine, "

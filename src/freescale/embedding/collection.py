@@ -247,6 +247,9 @@ class ShardedEmbeddingCollection(nn.Module):
         # shard-tensor row offset of each feature's table, indexed by feature
         self._feature_offset_dev = self._table_offsets[self._feature_table].to(self.device)
         self.stats = ExchangeStats()
+        # auto | sync | padded (TrainConfig.sparse_update); "auto" defers to
+        # $FREESCALE_SPARSE_UPDATE, then to the device (padded on CUDA)
+        self.sparse_update = "auto"
         self.tally = DeviceTally()  # device-side counts on their way into the stats
         # host count matrices registered ahead (register_counts), keyed by the identity
         # of the first feature's ids tensor (a strong reference is kept, so ids of freed
@@ -428,13 +431,18 @@ class ShardedEmbeddingCollection(nn.Module):
         ``int``, or a one-element device tensor on the padded path (feed it to
         ``self.tally``; ``stats.rows_updated`` gets it that way).
 
-        The padded path (``$FREESCALE_SPARSE_UPDATE``, default on CUDA) never reads back:
+        The padded path (``self.sparse_update`` / ``$FREESCALE_SPARSE_UPDATE``, default
+        on CUDA) never reads back:
         it sums and updates one slot per id, padding slots repeating the last real row
         (:class:`~freescale.embedding.reduce.PaddedRowGroups`), so each row is written
         only with its one bit-exact new value."""
-        mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
-        if mode not in ("auto", "sync", "padded"):
-            raise ValueError(f"{SPARSE_UPDATE_ENV_VAR} must be auto, sync or padded: {mode!r}")
+        mode = self.sparse_update
+        if mode == "auto":
+            mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
+            if mode not in ("auto", "sync", "padded"):
+                raise ValueError(f"{SPARSE_UPDATE_ENV_VAR} must be auto, sync or padded: {mode!r}")
+        elif mode not in ("sync", "padded"):
+            raise ValueError(f"sparse_update must be auto, sync or padded: {mode!r}")
         if mode == "padded" or (mode == "auto" and keys.is_cuda):
             pg = group_rows_padded(keys)
             if keys.numel() == 0:

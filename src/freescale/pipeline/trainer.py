@@ -187,6 +187,7 @@ class Trainer:
             timing=cfg.timing == "sync",
             **opts,
         )
+        self.sparse.sparse_update = cfg.sparse_update
         torch.manual_seed(cfg.seed)
         self.dense = SequenceRecModel(cfg.model, self.uih_keys, self.sparse.plan.dim).to(
             self.device, self.dtype
