@@ -568,6 +568,27 @@ def test_simulator_rows_and_speed(capsys):
         print(f"\nsimulator: 256 ranks x 128 samples x 50 steps, 6 partitioners: {elapsed:.2f} s")
 
 
+def test_simulator_rank_noise_is_a_floor_no_partitioner_removes():
+    """Per-rank time noise (rank_noise_ms) raises every plan's straggler share, more at
+    more ranks (the max over W noisy ranks), and is reproducible; 0 changes nothing."""
+    base = dict(batch_sizes=[64], steps=20, max_uih=[1024], partitioners=["identity", "fbs"])
+    quiet = {(r["ranks"], r["partitioner"]): r for r in simulate(SimConfig(ranks=[8, 128], **base))}
+    cfg = SimConfig(ranks=[8, 128], rank_noise_ms=1.0, **base)
+    noisy = {(r["ranks"], r["partitioner"]): r for r in simulate(cfg)}
+    again = {(r["ranks"], r["partitioner"]): r for r in simulate(cfg)}
+    for key in quiet:
+        assert noisy[key]["straggler"] == again[key]["straggler"]
+    share = {k: v["straggler"]["median"] for k, v in noisy.items()}
+    assert share[(8, "fbs")] > quiet[(8, "fbs")]["straggler"]["median"]
+    assert share[(128, "fbs")] > share[(8, "fbs")]
+    zero = simulate(SimConfig(ranks=[8], rank_noise_ms=0.0, **base))
+    assert [r["straggler"] for r in zero] == [
+        quiet[(8, p)]["straggler"] for p in ("identity", "fbs")
+    ]
+    with pytest.raises(ValueError, match="rank_noise_ms"):
+        SimConfig(rank_noise_ms=-1.0)
+
+
 def test_simulate_main_cli(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(x) for x in [5, 20, 300, 41, 1200, 7, 64]) + "\n")

@@ -14,6 +14,9 @@ a ``_cost`` suffix (``kk_cost``, ``vbs_cost``, ...) plans with the cost model's 
 per-sample costs instead; an ``_auto`` suffix (``vbs_auto``) plans with ``L^alpha``
 and lets :class:`AutoTune` move alpha from step to step, fed with the simulated
 per-rank times (the truth, optionally with multiplicative noise ``time_noise``).
+``rank_noise_ms`` adds per-step, per-rank Gaussian noise (ms, the same draw for every
+partitioner of a step) to the scored rank times: a sensitivity to timing variation that
+no partitioner can remove (the max over W noisy ranks grows with W; off by default).
 Nothing here touches tensors, ranks or devices.
 """
 
@@ -66,6 +69,7 @@ class SimConfig:
     )
     alpha: float = 1.5
     time_noise: float = 0.0  # relative std of simulated rank times fed to AutoTune
+    rank_noise_ms: float = 0.0  # std of additive per-rank time noise in the scored times
     cost_model: CostModel = field(default_factory=lambda: CostModel(**asdict(DEFAULT_COST_MODEL)))
     seed: int = 0
 
@@ -76,6 +80,8 @@ class SimConfig:
             raise ValueError("length_dist='file' needs lengths_file")
         for p in self.partitioners:
             get_partitioner(_base(p))
+        if self.rank_noise_ms < 0:
+            raise ValueError(f"rank_noise_ms must be >= 0, got {self.rank_noise_ms}")
         if self.steps < 1 or min(self.ranks) < 1 or min(self.batch_sizes) < 1:
             raise ValueError("steps, ranks and batch sizes must be >= 1")
 
@@ -122,13 +128,21 @@ def sample_lengths(
 
 # ---------------------------------------------------------------------- scoring
 def _score(
-    assignment: Assignment, lengths: np.ndarray, cm: CostModel, world: int, home: np.ndarray
+    assignment: Assignment,
+    lengths: np.ndarray,
+    cm: CostModel,
+    world: int,
+    home: np.ndarray,
+    noise: np.ndarray | None = None,
 ) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
-    """Metrics of one plan, plus its per-rank true cost and mean sample length."""
+    """Metrics of one plan, plus its per-rank true cost and mean sample length.
+    ``noise``: per-rank additive time noise (ms) in the scored costs (clipped at 0)."""
     lf = lengths.astype(np.float64)
     tokens = assignment.rank_sums(lf)
     sum_sq = assignment.rank_sums(lf * lf)
     cost = cm.a * tokens + cm.b * sum_sq + cm.c
+    if noise is not None:
+        cost = np.maximum(cost + noise, 0.0)
     mx = float(cost.max())
     per_sample = cm.a * lf + cm.b * lf * lf
     lb = max(float(per_sample.max()), float(per_sample.sum()) / world) + cm.c
@@ -200,6 +214,11 @@ def simulate(cfg: SimConfig, lengths_pool: Sequence[int] | None = None) -> list[
                     cap_sparsity.append(1.0 - float(ln.sum()) / (n * max_uih))
                     w_alpha = CostModel(alpha=cfg.alpha).sample_costs(ln)
                     w_cost = cm.sample_costs(ln)
+                    step_noise = None
+                    if cfg.rank_noise_ms > 0:  # one draw per step, shared by the plans
+                        step_noise = cfg.rank_noise_ms * np.random.default_rng(
+                            [cfg.seed, step, world, bsz, max_uih, 11]
+                        ).normal(size=world)
                     for name in cfg.partitioners:
                         fn = get_partitioner(_base(name))
                         tuner = tuners.get(name)
@@ -212,7 +231,7 @@ def simulate(cfg: SimConfig, lengths_pool: Sequence[int] | None = None) -> list[
                         t0 = time.perf_counter()
                         a = fn(costs, world, sort_key=ln)
                         ms = (time.perf_counter() - t0) * 1e3
-                        s, rank_cost, mean_len = _score(a, ln, cm, world, home)
+                        s, rank_cost, mean_len = _score(a, ln, cm, world, home, step_noise)
                         s["plan_ms"] = ms
                         if tuner is not None:
                             s["alpha"] = tuner.alpha
@@ -297,6 +316,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="'_cost' suffix: cost-model weights; '_auto': AutoTune alpha over the steps",
     )
     p.add_argument("--time-noise", type=float, default=0.0, help="AutoTune input noise")
+    p.add_argument(
+        "--rank-noise-ms",
+        type=float,
+        default=0.0,
+        help="std (ms) of per-rank, per-step time noise added to the scored times",
+    )
     p.add_argument("--alpha", type=float, default=1.5, help="L^alpha planning weights")
     p.add_argument("--cost-model", default=None, help="JSON fit file {a, b, c}")
     p.add_argument("--seed", type=int, default=0)
@@ -324,6 +349,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
             partitioners=[x.strip() for x in args.partitioners.split(",") if x.strip()],
             alpha=args.alpha,
             time_noise=args.time_noise,
+            rank_noise_ms=args.rank_noise_ms,
             seed=args.seed,
             **({"cost_model": cm} if cm is not None else {}),
         )
