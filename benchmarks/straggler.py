@@ -584,6 +584,22 @@ def main(argv: list[str] | None = None) -> int:
             f"(one token per interaction; the planner's composite length is {k}L)",
             source="benchmarks/straggler.py: vanilla runs of every max UIH, pooled",
             max_uih=sorted(set(order) | set(kept_fits)),
+            figure="cost_model_2gpu",
+            command=meta["command"],
+            rows=[
+                {"max_uih": int(mu), **{k: v for k, v in f.items() if k != "samples"}}
+                for mu, f in sorted(
+                    (kv for kv in {**kept_fits, **fits}.items() if str(kv[0]).isdigit()),
+                    key=lambda kv: int(kv[0]),
+                )
+            ],
+            headline={
+                "a": sim.a,
+                "b": sim.b,
+                "c": sim.c,
+                "fit_error": err,
+                "num_fit_samples": len(pooled),
+            },
         )
         with open(os.path.join(a.out, "cost_model_2gpu.json"), "w") as f:
             json.dump(d, f, indent=1)
