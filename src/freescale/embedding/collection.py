@@ -81,7 +81,14 @@ class DeviceTally:
         self.poll(wait=True)
 
 
-__all__ = ["RowWisePlan", "ShardedEmbeddingCollection", "ExchangeStats", "init_table_rows"]
+__all__ = [
+    "SPARSE_UPDATE_ENV_VAR",
+    "DeviceTally",
+    "ExchangeStats",
+    "RowWisePlan",
+    "ShardedEmbeddingCollection",
+    "init_table_rows",
+]
 
 _INIT_CHUNK = 4096
 
@@ -432,10 +439,9 @@ class ShardedEmbeddingCollection(nn.Module):
         ``self.tally``; ``stats.rows_updated`` gets it that way).
 
         The padded path (``self.sparse_update`` / ``$FREESCALE_SPARSE_UPDATE``, default
-        on CUDA) never reads back:
-        it sums and updates one slot per id, padding slots repeating the last real row
-        (:class:`~freescale.embedding.reduce.PaddedRowGroups`), so each row is written
-        only with its one bit-exact new value."""
+        on CUDA) never reads back: it sums and updates one slot per id, padding slots
+        repeating the last real row (:class:`~freescale.embedding.reduce.PaddedRowGroups`),
+        so each row is written only with its one bit-exact new value."""
         mode = self.sparse_update
         if mode == "auto":
             mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
@@ -444,9 +450,9 @@ class ShardedEmbeddingCollection(nn.Module):
         elif mode not in ("sync", "padded"):
             raise ValueError(f"sparse_update must be auto, sync or padded: {mode!r}")
         if mode == "padded" or (mode == "auto" and keys.is_cuda):
-            pg = group_rows_padded(keys)
             if keys.numel() == 0:
                 return 0
+            pg = group_rows_padded(keys)
             summed = segment_sum(grads, pg.groups).index_select(0, pg.fill)
             rows = pg.groups.rows.index_select(0, pg.fill)
             self.optimizer.step(rows, summed, step=step, lr=lr)
