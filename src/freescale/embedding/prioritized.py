@@ -787,32 +787,27 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         backward it runs on the side stream *before* (a): issued after (a)'s deferred
         update, the exchange (and so its read) would wait for that update's kernels."""
         t0 = self._tic()
-        p.exchanged = self._mask_exchange(p.dist_t, p.dn, p.coll_n, p.reap_t, p.counts, p)
+        p.exchanged = self._mask_exchange(p)
         self._toc("collision_detect", t0)
 
     def _mask_exchange(
-        self,
-        dist_t: _IdDist,
-        dn: _IdDist,
-        coll_n: torch.Tensor,
-        reap_t: torch.Tensor,
-        counts: torch.Tensor,
-        p: _PendingAhead | None = None,
+        self, p: _PendingAhead
     ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
         """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
         t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
         collision count of s, collision ids, ids, collision rows, distinct rows of t+1 at
         this owner)]. Every rank receives every owner's totals, so all ranks compute the
         same global rate and take the same guardrail decision."""
+        dist_t, dn, coll_n, reap_t = p.dist_t, p.dn, p.coll_n, p.reap_t
         w, dev = self.comm.world_size, self.device
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
         # one read-back: counts per source, then (collision rows, distinct rows of t+1);
         # from the pinned copy made when they were computed where there is one
-        if p is not None and p.counts_ready is not None and p.counts_host is not None:
+        if p.counts_ready is not None and p.counts_host is not None:
             p.counts_ready.synchronize()
             own = p.counts_host.tolist()
         else:
-            own = counts.cpu().tolist()
+            own = p.counts.cpu().tolist()
         coll_rows, total_rows = own[2 * w], own[2 * w + 1]
         own = own[: 2 * w]
         totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
