@@ -472,6 +472,7 @@ def run_mode(
             for c in comms:
                 c.stats.reset()
             if isinstance(mod, PrioritizedEmbeddingCollection):
+                mod.tally.settle()  # device-side row counts in flight (no-op on CPU)
                 pre = mod.pstats.as_dict()
                 pre["history_len"] = len(mod.pstats.history)
             probe.start()

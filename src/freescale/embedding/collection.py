@@ -61,9 +61,9 @@ class DeviceTally:
             setattr(target, attr, getattr(target, attr) + int(value))
             return
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        host.copy_(value, non_blocking=True)
+        host.copy_(value, non_blocking=True)  # on value's device's current stream
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(torch.cuda.current_stream(value.device))
         self._q.append((target, attr, host, ev))
         self.poll()
 

@@ -541,6 +541,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self._generation += 1
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        self.tally.settle()  # the deferred rows counted on the device, flush's included
         if had:
             self.pstats.flushes += 1
 

@@ -106,8 +106,10 @@ def segment_tree_sum(
 ) -> torch.Tensor:
     """Per-segment tree sums: row s of the result sums ``values[order[starts[s] + i]]``
     for i < counts[s] by the fixed pairwise tree (module docstring). ``values`` is
-    [N, D] (or [N]); ``max_count`` is ``counts.max()`` (known on the host: no read-back).
-    ``chunk`` (a power of two >= 2) only changes speed, never the result."""
+    [N, D] (or [N]); ``max_count`` is ``counts.max()`` or an upper bound of it (known on
+    the host: no read-back). Rows of empty segments (count 0) are left unwritten
+    (uninitialised memory). ``chunk`` (a power of two >= 2) only changes speed, never
+    the result."""
     if chunk < 2 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 2, got {chunk}")
     if values.dtype not in SUPPORTED_DTYPES:

@@ -372,7 +372,9 @@ def headline(
         missing.append("ne_noise_floor")
     if "vanilla_shuffled" in by:
         cross = out.pop("ne_rel_diff_vanilla_shuffled", None)
-        if cross is not None:
+        if int(by["vanilla_shuffled"]["summary"].get("world_size", 1)) < 2:
+            missing.append("ne_cross_rank_floor (one rank: nothing to move)")
+        elif cross is not None:
             out["ne_cross_rank_floor"] = cross
             if "ne_rel_diff" in out:
                 out["ne_within_cross_rank_floor"] = bool(out["ne_rel_diff"] <= cross)
