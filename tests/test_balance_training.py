@@ -54,6 +54,8 @@ PARTITIONERS = {
     "fbs": (BalanceConfig(partitioner="fbs"), None),
     "vbs": (BalanceConfig(partitioner="vbs"), None),
     "kk": (BalanceConfig(partitioner="kk"), None),
+    # the diagnostic: legal cross-rank moves that ignore costs (the cross-rank floor)
+    "shuffle": (BalanceConfig(partitioner="shuffle"), None),
     "kk_cost": (
         BalanceConfig(partitioner="kk", use_cost_model=True, refit_every=1),
         START_COST_MODEL,
