@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end figure on the GPU machine, in phases that each fit one device call.
 #   bash benchmarks/e2e_gpu.sh verify  # ~3.5 min: the CPU-tested-only changes on GPUs: the
-#                                      # Triton per-row sum (bitwise + timing), the padded
-#                                      # sparse update (bitwise vs synchronous), tier-1
+#                                      # Triton per-row sum (bitwise + timing), the ahead and
+#                                      # padded sparse updates (bitwise vs synchronous), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
@@ -16,6 +16,10 @@
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
 #                                      # cross-rank shuffle (cross-rank floor),
 #                                      # sdd, freescale (~6.5 min)
+#   bash benchmarks/e2e_gpu.sh update  # ~6 min: the sparse-update A/B in one run: vanilla and
+#                                      # freescale (ahead update, the CUDA default) next to
+#                                      # vanilla_sync_update, vanilla_padded_update,
+#                                      # freescale_padded_update (same bits, other update)
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
 #                                      # prioritized, balance_fbs, freescale_nccl_overlap
@@ -113,6 +117,12 @@ main)
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   ;;
+update)
+  timeout 570 $E2E --out "$OUT/e2e_update" --nproc 2 --steps "$STEPS" \
+    --variants vanilla vanilla_sync_update vanilla_padded_update freescale freescale_padded_update \
+    > "$OUT/e2e_update.log" 2>&1
+  echo "update rc=$?"; tail -40 "$OUT/e2e_update.log"
+  ;;
 ablate)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
@@ -122,5 +132,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|update|ablate" >&2; exit 2 ;;
 esac

@@ -12,13 +12,22 @@ with its schema, and only numerics are asserted (never timings):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
-from freescale.pipeline.bench_e2e import VARIANTS, headline, merge_results, run_e2e, write_report
+from freescale.pipeline.bench_e2e import (
+    DIAGNOSTIC_VARIANTS,
+    VARIANTS,
+    _variant_cfg,
+    headline,
+    merge_results,
+    run_e2e,
+    write_report,
+)
 
 F64_TOL = 1e-12  # DESIGN.md section 1, tier 2 (float64)
 STEPS = 8
@@ -155,3 +164,20 @@ def test_e2e_report_numerics(pool2, tmp_path):
     other = {**res[0], "config": {**res[0]["config"], "seed": 99}}
     with pytest.raises(ValueError, match="different config"):
         merge_results(on_disk, other)
+
+
+def test_diagnostic_variants_force_the_sparse_update_only():
+    """The sparse-update diagnostics differ from their variant only in
+    ``sparse_update``; they are not run unless named."""
+    base = TrainConfig()
+    assert not set(DIAGNOSTIC_VARIANTS) & set(VARIANTS)
+    pairs = {
+        "vanilla_sync_update": ("vanilla", "vanilla", "sync"),
+        "vanilla_padded_update": ("vanilla", "vanilla", "padded"),
+        "freescale_padded_update": ("freescale", "prioritized", "padded"),
+    }
+    assert set(pairs) == set(DIAGNOSTIC_VARIANTS)
+    for diag, (twin, mode, update) in pairs.items():
+        got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
+        assert got.sparse_update == update and ref.sparse_update == base.sparse_update
+        assert got == dataclasses.replace(ref, sparse_update=update, log_path=got.log_path)

@@ -13,6 +13,7 @@ the previous step. Step counts: 200 steps per optimizer (SGD, row-wise Adagrad, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 
@@ -118,6 +119,7 @@ def train_run(rank, world, cfg, mode, opts, snapshot_steps=(), all_on_rank_zero=
             timing=True,
             **dict(opts),
         )
+        tr.sparse.sparse_update = cfg.sparse_update  # as the Trainer sets it on its own
     summary = tr.train()
     out = {
         **_sparse_state(tr),
@@ -129,6 +131,7 @@ def train_run(rank, world, cfg, mode, opts, snapshot_steps=(), all_on_rank_zero=
         "snapshots": snap.taken,
         "steps": tr.step,
         "rows_updated": tr.sparse.stats.rows_updated,
+        "rows_grouped_ahead": tr.sparse.stats.rows_grouped_ahead,
         "ne": summary.get("eval_ne"),
     }
     if isinstance(tr.sparse, PrioritizedEmbeddingCollection):
@@ -246,6 +249,28 @@ def test_random_side_delays_change_nothing(pool2):
     pri = run(pool2, cfg, "prioritized", max_collision_rate=1.0, debug_delay_s=0.004)
     assert differences(pri, van) == []
     assert_really_active(pri, 40)
+
+
+def test_sparse_update_ahead_is_exact_and_used(pool2):
+    """``sparse_update="ahead"`` (the CUDA default): the row grouping of the ids starts in
+    the forward (vanilla, sdd) or at (b) (prioritized: the deferred rows), its counts are
+    read in the backward. Same bits as the synchronous update of the default vanilla run,
+    and the grouping started ahead was really used: for every row vanilla and sdd update,
+    for every deferred row of the prioritized run."""
+    cfg = dataclasses.replace(config("adam", 40), sparse_update="sync")
+    ahead = dataclasses.replace(cfg, sparse_update="ahead")
+    van = run(pool2, cfg)
+    assert all(r["rows_grouped_ahead"] == 0 for r in van)
+    van_a = run(pool2, ahead)
+    sdd_a = run(pool2, ahead, "sdd")
+    pri_a = run(pool2, ahead, "prioritized", max_collision_rate=1.0)
+    for res in (van_a, sdd_a, pri_a):
+        assert differences(res, van) == []
+    for r in van_a + sdd_a:
+        assert r["rows_grouped_ahead"] == r["rows_updated"] > 0
+    assert_really_active(pri_a, 40)
+    for r in pri_a:
+        assert r["rows_grouped_ahead"] == r["pstats"]["deferred_rows"] > 0
 
 
 # --------------------------------------------------- flush, eval, checkpoints

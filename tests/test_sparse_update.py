@@ -1,7 +1,9 @@
-"""The sparse update without a device read-back (``group_rows_padded``, the CUDA default)
-against the one that reads the row count back (``group_rows``): same groups on the real
-slots, and bit-identical weights and optimizer state after several steps of random
-updates; a deliberately wrong padded update (no fill of the padding slots) is caught.
+"""The sparse updates that do not wait on CUDA — ``ahead`` (``group_rows_start`` when the
+ids arrive, finished in the update; the CUDA default) and ``padded``
+(``group_rows_padded``) — against the one that reads the row count back
+(``group_rows``): same groups, and bit-identical weights and optimizer state after
+several steps of random updates; deliberately wrong versions (padding slots not filled,
+another step's grouping) are caught.
 
 The Triton per-row sum on padded groups is compared in tests/test_kernels.py (it needs
 ``TRITON_INTERPRET=1`` before triton is imported).
@@ -22,7 +24,13 @@ from freescale.embedding.collection import (
     ExchangeStats,
     ShardedEmbeddingCollection,
 )
-from freescale.embedding.reduce import group_rows, group_rows_padded, segment_sum
+from freescale.embedding.reduce import (
+    group_rows,
+    group_rows_padded,
+    group_rows_reference,
+    group_rows_start,
+    segment_sum,
+)
 
 
 def _gen() -> torch.Generator:
@@ -55,6 +63,55 @@ def test_group_rows_padded_equals_group_rows_on_real_slots():
         assert torch.all((pg.groups.starts >= 0) & (pg.groups.starts < n))
         assert torch.equal(pg.fill, torch.clamp(torch.arange(n), max=u - 1))
         assert pg.groups.max_count >= ref.max_count
+
+
+def test_group_rows_started_ahead_equals_group_rows():
+    g = _gen()
+    e = group_rows_start(torch.zeros(0, dtype=torch.int64)).finish()
+    assert e.rows.numel() == 0 and e.max_count == 0
+    for keys in _key_cases(g):
+        pending = group_rows_start(keys)
+        assert pending.n == keys.numel()
+        got, ref = pending.finish(), group_rows_reference(keys)
+        assert pending.finish() is got  # computed once
+        for f in ("order", "rows", "starts", "counts", "max_count"):
+            a, b = getattr(got, f), getattr(ref, f)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+def test_ahead_update_is_bitwise_the_synchronous_one(kind, monkeypatch):
+    g = _gen()
+    seed = int(torch.randint(1 << 20, (1,), generator=g))
+    sync, ahead = _collection(kind, seed), _collection(kind, seed)
+    sync.sparse_update, ahead.sparse_update = "sync", "ahead"
+    rows = sync.weight.shape[0]
+    upd = _updates(g, rows, 6)
+    pending = [group_rows_start(k) for k, _ in upd]  # all started before any update
+    for step, ((keys, grads), p) in enumerate(zip(upd, pending), start=1):
+        n_sync = sync.apply_gradients(keys, grads, step, None)
+        assert ahead.apply_gradients(keys, grads, step, None, groups=p) == n_sync
+    assert torch.equal(sync.weight, ahead.weight)
+    for k in sync.optimizer.state:
+        assert torch.equal(sync.optimizer.state[k], ahead.optimizer.state[k]), k
+    assert ahead.stats.rows_grouped_ahead == ahead.stats.rows_updated == sync.stats.rows_updated
+    assert sync.stats.rows_grouped_ahead == 0
+
+
+def test_ahead_update_with_another_steps_grouping_is_caught():
+    """Mutation: the grouping of other ids of the same count (another step's) is used;
+    the comparison above sees it. A count mismatch is refused outright."""
+    g = _gen()
+    sync, bad = _collection("adam", 5), _collection("adam", 5)
+    bad.sparse_update = "ahead"
+    keys = torch.randint(0, 300, (64,), generator=g)
+    other = torch.randint(0, 300, (64,), generator=g)
+    grads = torch.randn(64, 8, generator=g)
+    sync.apply_gradients(keys, grads, 1, None)
+    bad.apply_gradients(keys, grads, 1, None, groups=group_rows_start(other))
+    assert not torch.equal(sync.weight, bad.weight)
+    with pytest.raises(ValueError, match="covers 63 ids"):
+        bad.apply_gradients(keys, grads, 2, None, groups=group_rows_start(other[:-1]))
 
 
 def test_segment_sum_on_padded_groups_equals_unpadded():

@@ -97,10 +97,11 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sparse-update",
-        choices=["auto", "sync", "padded"],
+        choices=["auto", "sync", "padded", "ahead"],
         default="auto",
-        help="owner's sparse update: padded (no device read-back; auto on CUDA) or sync "
-        "(reads the row count back; auto on CPU). Bit-identical results",
+        help="owner's sparse update: ahead (rows grouped in the forward, the count read "
+        "in the backward from a copy made then; auto on CUDA), padded (one slot per id, "
+        "no read-back) or sync (reads the row count back; auto on CPU). Bit-identical",
     )
     p.add_argument(
         "--profile-steps",

@@ -153,11 +153,13 @@ class TrainConfig:
     # and reads them one step later (no host sync on the compute stream for timing; the
     # mode for throughput measurements). Identical numerics either way.
     timing: Literal["sync", "events"] = "sync"
-    # the owner's sparse update: "padded" groups gradients into one slot per id with no
-    # device read-back (embedding/reduce.group_rows_padded), "sync" reads the unique-row
-    # count back (group_rows); "auto": padded on CUDA, sync on CPU, unless
+    # the owner's sparse update: "ahead" groups the ids by row when they arrive in the
+    # forward and reads the row count in the backward from a pinned copy made then
+    # (embedding/reduce.group_rows_start), "padded" groups gradients into one slot per id
+    # with no device read-back (group_rows_padded), "sync" reads the unique-row count back
+    # in the backward (group_rows); "auto": ahead on CUDA, sync on CPU, unless
     # $FREESCALE_SPARSE_UPDATE says otherwise. Bit-identical parameters either way.
-    sparse_update: Literal["auto", "sync", "padded"] = "auto"
+    sparse_update: Literal["auto", "sync", "padded", "ahead"] = "auto"
     # id-dist split sizes counted on the host one step ahead (no device read-back in the
     # id dist; DESIGN.md 3); None: on with CUDA, off on CPU (where it only adds work)
     host_counts: bool | None = None
@@ -180,9 +182,9 @@ class TrainConfig:
             raise ValueError("steps must be >= 0")
         if self.timing not in ("sync", "events"):
             raise ValueError(f"timing must be 'sync' or 'events', got {self.timing!r}")
-        if self.sparse_update not in ("auto", "sync", "padded"):
+        if self.sparse_update not in ("auto", "sync", "padded", "ahead"):
             raise ValueError(
-                f"sparse_update must be auto | sync | padded, got {self.sparse_update!r}"
+                f"sparse_update must be auto | sync | padded | ahead, got {self.sparse_update!r}"
             )
         if self.overlap_backend not in ("default", "auto", "host_staged", "copy_engine"):
             raise ValueError(

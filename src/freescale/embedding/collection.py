@@ -38,13 +38,25 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
 from ..kernels.reference import owner_and_local
 from .optim import FusedSparseOptimizer
-from .reduce import group_rows, group_rows_padded, segment_sum
+from .reduce import (
+    PendingRowGroups,
+    group_rows,
+    group_rows_padded,
+    group_rows_start,
+    segment_sum,
+)
 
 # how the owner groups a step's gradients by row before the fused update:
-# "auto" (padded on CUDA: no device read-back; sync on CPU, where a read-back is free),
-# "sync" (group_rows: reads the unique-row count back) or "padded" (group_rows_padded).
-# Both give bit-identical parameters and optimizer state.
+# "auto" (ahead on CUDA; sync on CPU, where a read-back is free),
+# "sync" (group_rows in the backward: reads the unique-row count back, which waits for
+# the dense backward queued before it), "padded" (group_rows_padded: no read-back, one
+# slot per id, so the sum and the update run over every id instead of every row) or
+# "ahead" (group_rows_start when the ids arrive in the forward, its two counts copied to
+# the host behind an event and read in the backward, long after; where no grouping was
+# started ahead — the collision rows of a prioritized step — padded on CUDA).
+# All give bit-identical parameters and optimizer state.
 SPARSE_UPDATE_ENV_VAR = "FREESCALE_SPARSE_UPDATE"
+SPARSE_UPDATE_MODES = ("auto", "sync", "padded", "ahead")
 
 
 class DeviceTally:
@@ -83,6 +95,7 @@ class DeviceTally:
 
 __all__ = [
     "SPARSE_UPDATE_ENV_VAR",
+    "SPARSE_UPDATE_MODES",
     "DeviceTally",
     "ExchangeStats",
     "RowWisePlan",
@@ -174,6 +187,7 @@ class ExchangeStats:
     grad_bytes_sent: int = 0
     rows_updated: int = 0  # padded path (CUDA): added via the tally, may lag until settled
     host_counts_used: int = 0  # id dists that took their counts from the host
+    rows_grouped_ahead: int = 0  # rows updated with a grouping started ahead ("ahead")
     times: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, key: str, seconds: float) -> None:
@@ -192,6 +206,8 @@ class _IdDist:
     recv_keys: torch.Tensor  # shard-tensor row of every received id
     step: int
     lr: float | None
+    # recv_keys' row grouping, started with the id dist ("ahead" sparse update)
+    groups: PendingRowGroups | None = None
 
 
 class _VanillaExchange(torch.autograd.Function):
@@ -254,8 +270,8 @@ class ShardedEmbeddingCollection(nn.Module):
         # shard-tensor row offset of each feature's table, indexed by feature
         self._feature_offset_dev = self._table_offsets[self._feature_table].to(self.device)
         self.stats = ExchangeStats()
-        # auto | sync | padded (TrainConfig.sparse_update); "auto" defers to
-        # $FREESCALE_SPARSE_UPDATE, then to the device (padded on CUDA)
+        # auto | sync | padded | ahead (TrainConfig.sparse_update); "auto" defers to
+        # $FREESCALE_SPARSE_UPDATE, then to the device (ahead on CUDA)
         self.sparse_update = "auto"
         self.tally = DeviceTally()  # device-side counts on their way into the stats
         # host count matrices registered ahead (register_counts), keyed by the identity
@@ -390,6 +406,14 @@ class ShardedEmbeddingCollection(nn.Module):
         recv_keys = recv + self._feature_offset_dev[feat_of]
         self.stats.ids_sent += int(cat.numel()) - int(send_splits[self.comm.rank])
         self.stats.ids_received += int(recv.numel())
+        groups = None
+        if (
+            self._groups_in_input_dist
+            and torch.is_grad_enabled()
+            and self.training
+            and self.update_mode(recv_keys.is_cuda) == "ahead"
+        ):
+            groups = group_rows_start(recv_keys)
         self._toc("id_dist", t0)
         return _IdDist(
             lengths=lengths,
@@ -400,6 +424,7 @@ class ShardedEmbeddingCollection(nn.Module):
             recv_keys=recv_keys,
             step=self._step,
             lr=self._lr,
+            groups=groups,
         )
 
     # -------------------------------------------------------- lookup + a2a
@@ -426,30 +451,69 @@ class ShardedEmbeddingCollection(nn.Module):
             self.plan.dim * grad.element_size()
         )
         t0 = self._tic()
-        self.apply_gradients(st.recv_keys, recv, st.step, st.lr)
+        self.apply_gradients(st.recv_keys, recv, st.step, st.lr, groups=st.groups)
+        st.groups = None
         self._toc("sparse_update", t0)
         self.stats.steps += 1
 
+    # input_dist starts the row grouping of the ids it delivers ("ahead" update); the
+    # prioritized collection groups subsets of them instead and turns this off
+    _groups_in_input_dist = True
+
+    def update_mode(self, cuda: bool) -> str:
+        """The sparse update this collection runs for keys on CUDA (``cuda``) or not:
+        ``sync``, ``padded`` or ``ahead`` (see ``SPARSE_UPDATE_ENV_VAR``'s comment)."""
+        mode = self.sparse_update
+        if mode == "auto":
+            mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
+            if mode not in SPARSE_UPDATE_MODES:
+                raise ValueError(
+                    f"{SPARSE_UPDATE_ENV_VAR} must be one of {', '.join(SPARSE_UPDATE_MODES)}: "
+                    f"{mode!r}"
+                )
+        elif mode not in SPARSE_UPDATE_MODES:
+            raise ValueError(
+                f"sparse_update must be one of {', '.join(SPARSE_UPDATE_MODES)}: {mode!r}"
+            )
+        if mode == "auto":
+            return "ahead" if cuda else "sync"
+        return mode
+
     def apply_gradients(
-        self, keys: torch.Tensor, grads: torch.Tensor, step: int, lr: float | None
+        self,
+        keys: torch.Tensor,
+        grads: torch.Tensor,
+        step: int,
+        lr: float | None,
+        groups: PendingRowGroups | None = None,
     ) -> torch.Tensor | int:
         """Owner side: sum ``grads`` per shard row ``keys`` in the fixed order and apply the
         fused optimizer with step index ``step``. Returns the number of rows updated: an
         ``int``, or a one-element device tensor on the padded path (feed it to
         ``self.tally``; ``stats.rows_updated`` gets it that way).
 
-        The padded path (``self.sparse_update`` / ``$FREESCALE_SPARSE_UPDATE``, default
-        on CUDA) never reads back: it sums and updates one slot per id, padding slots
-        repeating the last real row (:class:`~freescale.embedding.reduce.PaddedRowGroups`),
-        so each row is written only with its one bit-exact new value."""
-        mode = self.sparse_update
-        if mode == "auto":
-            mode = os.environ.get(SPARSE_UPDATE_ENV_VAR, "auto")
-            if mode not in ("auto", "sync", "padded"):
-                raise ValueError(f"{SPARSE_UPDATE_ENV_VAR} must be auto, sync or padded: {mode!r}")
-        elif mode not in ("sync", "padded"):
-            raise ValueError(f"sparse_update must be auto, sync or padded: {mode!r}")
-        if mode == "padded" or (mode == "auto" and keys.is_cuda):
+        ``groups``: the grouping of exactly these ``keys`` started ahead
+        (:func:`~freescale.embedding.reduce.group_rows_start`), used on the ``ahead``
+        path. The padded path (``ahead`` without ``groups`` on CUDA) never reads back: it
+        sums and updates one slot per id, padding slots repeating the last real row
+        (:class:`~freescale.embedding.reduce.PaddedRowGroups`), so each row is written
+        only with its one bit-exact new value."""
+        mode = self.update_mode(keys.is_cuda)
+        if mode == "ahead" and groups is not None:
+            if groups.n != keys.numel():
+                raise ValueError(
+                    f"apply_gradients: the grouping started ahead covers {groups.n} ids, "
+                    f"the update has {keys.numel()}"
+                )
+            g = groups.finish()
+            if g.rows.numel() == 0:
+                return 0
+            summed = segment_sum(grads, g)
+            self.optimizer.step(g.rows, summed, step=step, lr=lr)
+            self.stats.rows_updated += int(g.rows.numel())
+            self.stats.rows_grouped_ahead += int(g.rows.numel())
+            return int(g.rows.numel())
+        if mode == "padded" or (mode == "ahead" and keys.is_cuda):
             if keys.numel() == 0:
                 return 0
             pg = group_rows_padded(keys)

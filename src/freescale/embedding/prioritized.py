@@ -117,7 +117,7 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.reference import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
-from .reduce import mask_positions
+from .reduce import PendingRowGroups, group_rows_start, mask_positions
 from .sdd import SddEmbeddingCollection
 
 __all__ = [
@@ -247,6 +247,8 @@ class _GradSplit:
     excl_keys: torch.Tensor
     coll_recv_splits: list[int]
     excl_recv_splits: list[int]
+    # excl_keys' row grouping, started here for the deferred update ("ahead" update)
+    excl_groups: PendingRowGroups | None = None
 
 
 @dataclass
@@ -273,6 +275,7 @@ class _Deferred:
     step: int
     lr: float | None
     send: torch.Tensor  # kept alive (and counted) until applied
+    groups: PendingRowGroups | None = None  # keys' grouping, started at (b) of t
 
 
 class _PrioritizedExchange(torch.autograd.Function):
@@ -359,6 +362,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         "excl_wait",
     )
     backward_time_keys = ("grad_a2a", "sparse_update", "coll_lookup")
+    # t+1's id dist is made in t's forward but its gradients are split by t+2's rows:
+    # the subsets are grouped at (b) instead (see _look_ahead_rest)
+    _groups_in_input_dist = False
 
     def __init__(
         self,
@@ -551,7 +557,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         owner send + requester receive buffers), ``collision_embeddings`` (t+1's, in
         flight between t's backward and t+1's forward), ``deferred_gradients`` (t's
         exclusive gradients, send + receive + keys), ``masks`` (positions / keys of the
-        collision and exclusive subsets), ``collision_bitmap`` (one byte per shard row)
+        collision and exclusive subsets, and the deferred rows' grouping),
+        ``collision_bitmap`` (one byte per shard row)
         and ``total``."""
         out = {
             "ids_ahead": 0,
@@ -583,6 +590,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if d is not None:
             out["deferred_gradients"] += _nbytes(d.keys, d.send)
             out["deferred_gradients"] += int(d.keys.numel()) * self._row_bytes()
+            if d.groups is not None:  # the keys' row grouping, started at (b)
+                g = d.groups
+                out["masks"] += _nbytes(g.order, g.sorted_keys, g.is_start)
         out["total"] = sum(out.values())
         return out
 
@@ -641,7 +651,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ):
             keys, grads = keys[:-1], grads[:-1]
             self._mutation_fired = True
-        self.tally.add(self.pstats, "deferred_rows", self.apply_gradients(keys, grads, step, lr))
+        groups = d.groups if keys is d.keys else None  # (drop_grad shortens the keys)
+        rows = self.apply_gradients(keys, grads, step, lr, groups=groups)
+        self.tally.add(self.pstats, "deferred_rows", rows)
         self.pstats.deferred_ids += int(keys.numel())
         self._toc("deferred_update", t0)
 
@@ -769,6 +781,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             coll_recv_splits=reap_per_src,
             excl_recv_splits=[a - b for a, b in zip(dist_t.recv_splits, reap_per_src)],
         )
+        if self.update_mode(keys_t.is_cuda) == "ahead":
+            # the deferred update of t's exclusive rows runs at (a) of t+1: its row count
+            # is on the host by then
+            split.excl_groups = group_rows_start(split.excl_keys)
         # t+1's exclusive rows: every earlier update of them is applied (see docstring)
         self._delay()
         t0 = self._tic()
@@ -941,7 +957,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self.stats.grad_bytes_sent += (
             sum(sp.excl_send_splits) - sp.excl_send_splits[self.comm.rank]
         ) * rb
-        self._deferred = _Deferred(aw=aw, keys=sp.excl_keys, step=st.step, lr=st.lr, send=g_excl)
+        self._deferred = _Deferred(
+            aw=aw, keys=sp.excl_keys, step=st.step, lr=st.lr, send=g_excl, groups=sp.excl_groups
+        )
         self.stats.steps += 1
 
 

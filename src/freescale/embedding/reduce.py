@@ -14,6 +14,13 @@ synchronisation beyond reading the maximum segment length, with the row count, o
 ~7 launches and a full pass over the [N, D] gradients per round. On CUDA `segment_sum`
 uses the Triton version (`kernels/segment_tree.py`: one launch per 32x of segment
 length, each gradient read once), bitwise equal to the reference.
+
+Grouping ids by row needs the number of distinct rows on the host. Three ways, same
+groups: `group_rows` reads it back where it is needed (the stream must drain first);
+`group_rows_start` queues the work early and copies the count to pinned memory behind
+an event, `PendingRowGroups.finish` reads it later (the CUDA default: started when the
+ids arrive in the forward, finished in the backward); `group_rows_padded` never reads it
+(one slot per id, for groupings that cannot be started early).
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import torch
 
 __all__ = [
     "PaddedRowGroups",
+    "PendingRowGroups",
     "RowGroups",
     "group_rows",
     "group_rows_padded",
+    "group_rows_start",
     "group_rows_reference",
     "mask_positions",
     "mask_positions_reference",
@@ -81,22 +90,91 @@ def group_rows(keys: torch.Tensor) -> RowGroups:
     """Stable-sort ``keys`` and find each unique key's segment, with one device read-back
     (the number of rows and the longest segment together; ``unique_consecutive`` and
     ``counts.max()`` would read back twice). Equal to :func:`group_rows_reference`."""
+    return group_rows_start(keys, ahead=False).finish()
+
+
+class PendingRowGroups:
+    """:func:`group_rows` split in two: :func:`group_rows_start` queues the sort and the
+    two counts (unique rows, longest segment) and, on CUDA, copies the counts to pinned
+    host memory behind an event; :meth:`finish` reads them and builds the
+    :class:`RowGroups`. Started in the forward for the ids whose gradients the backward
+    sums, the read in the backward finds the copy long done: no wait for the dense
+    backward (what :func:`group_rows` would wait for there) and no padding (what
+    :func:`group_rows_padded` pays for). Same tensors as :func:`group_rows`."""
+
+    def __init__(
+        self,
+        n: int,
+        order: torch.Tensor,
+        sorted_keys: torch.Tensor,
+        is_start: torch.Tensor,
+        stats: torch.Tensor,
+        ahead: bool,
+    ) -> None:
+        self.n = n
+        self.order, self.sorted_keys, self.is_start, self._stats = (
+            order,
+            sorted_keys,
+            is_start,
+            stats,
+        )
+        self._host: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if ahead and stats.is_cuda:
+            self._stream = torch.cuda.current_stream(stats.device)
+            self._host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self._host.copy_(stats, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._stream)
+        self._result: RowGroups | None = None
+
+    def finish(self) -> RowGroups:
+        """The :class:`RowGroups` (computed once). On CUDA, waits for the counts' copy if
+        it is still in flight, and makes the current stream safe to use the tensors made
+        on the starting stream (their memory is not reused before its work is done)."""
+        if self._result is not None:
+            return self._result
+        n = self.n
+        if n == 0:
+            e = self.order
+            self._result = RowGroups(e, e, e, e, 0)
+            return self._result
+        if self._host is not None and self._ready is not None:
+            self._ready.synchronize()
+            u, max_count = self._host.tolist()
+            cur = torch.cuda.current_stream(self.order.device)
+            if cur != self._stream:
+                cur.wait_event(self._ready)
+                for t in (self.order, self.sorted_keys, self.is_start):
+                    t.record_stream(cur)
+        else:
+            u, max_count = self._stats.tolist()
+        starts = mask_positions(self.is_start, u)
+        counts = torch.empty_like(starts)
+        counts[:-1] = starts[1:] - starts[:-1]
+        counts[-1:] = n - starts[-1:]
+        rows = self.sorted_keys.index_select(0, starts)
+        self._result = RowGroups(self.order, rows, starts, counts, max_count)
+        return self._result
+
+
+def group_rows_start(keys: torch.Tensor, ahead: bool = True) -> PendingRowGroups:
+    """Queue :func:`group_rows`'s device work for ``keys`` (see :class:`PendingRowGroups`);
+    ``ahead``: copy the two counts to the host asynchronously (CUDA only; otherwise
+    :meth:`PendingRowGroups.finish` reads them directly)."""
     keys = keys.to(torch.int64)
     n = keys.numel()
     if n == 0:
         e = keys.new_zeros(0)
-        return RowGroups(e, e, e, e, 0)
+        return PendingRowGroups(0, e, e, e.bool(), e, ahead=False)
     sorted_keys, order = torch.sort(keys, stable=True)
     is_start = torch.ones(n, dtype=torch.bool, device=keys.device)
     is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
     idx = torch.arange(n, device=keys.device)
     run_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
-    u, max_count = torch.stack([is_start.sum(), (idx - run_start).max() + 1]).tolist()
-    starts = mask_positions(is_start, u)
-    counts = torch.empty_like(starts)
-    counts[:-1] = starts[1:] - starts[:-1]
-    counts[-1:] = n - starts[-1:]
-    return RowGroups(order, sorted_keys.index_select(0, starts), starts, counts, max_count)
+    stats = torch.stack([is_start.sum(), (idx - run_start).max() + 1])
+    return PendingRowGroups(n, order, sorted_keys, is_start, stats, ahead)
 
 
 @dataclass

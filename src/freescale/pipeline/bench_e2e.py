@@ -27,6 +27,11 @@ Variants (:data:`VARIANTS`):
 * ``freescale``: prioritized + FBS balancing (tier 2), the overlapped traffic SM-free
   (``overlap_backend="auto"`` unless the config names a backend).
 
+Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variants``):
+``vanilla_sync_update``, ``vanilla_padded_update``, ``freescale_padded_update``: the
+variant with the owner's sparse update forced (``TrainConfig.sparse_update``; bitwise
+the same parameters), to compare the update implementations in one run.
+
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
 activity counters (prioritized steps, collision / exclusive / deferred rows, samples
@@ -61,7 +66,14 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from .trainer import Trainer, TrainerHook
 
-__all__ = ["VARIANTS", "run_e2e", "write_report", "bench_rank", "bench_e2e_main"]
+__all__ = [
+    "DIAGNOSTIC_VARIANTS",
+    "VARIANTS",
+    "run_e2e",
+    "write_report",
+    "bench_rank",
+    "bench_e2e_main",
+]
 
 VARIANTS = (
     "vanilla",
@@ -74,6 +86,13 @@ VARIANTS = (
     "freescale_nccl_overlap",
     "freescale",
 )
+DIAGNOSTIC_VARIANTS = ("vanilla_sync_update", "vanilla_padded_update", "freescale_padded_update")
+# diagnostic variant -> the sparse update it forces (TrainConfig.sparse_update)
+_UPDATE = {
+    "vanilla_sync_update": "sync",
+    "vanilla_padded_update": "padded",
+    "freescale_padded_update": "padded",
+}
 # variant -> (embedding schedule, balancing partitioner or None)
 _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla": ("vanilla", None),
@@ -85,6 +104,9 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "balance_fbs": ("vanilla", "fbs"),
     "freescale_nccl_overlap": ("prioritized", "fbs"),
     "freescale": ("prioritized", "fbs"),
+    "vanilla_sync_update": ("vanilla", None),
+    "vanilla_padded_update": ("vanilla", None),
+    "freescale_padded_update": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -151,9 +173,16 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         stem, ext = os.path.splitext(log)
         log = f"{stem}.{variant}{ext or '.jsonl'}"
     overlap = _OVERLAP.get(variant, base.overlap_backend)
-    if variant == "freescale" and overlap == "default":
-        overlap = "auto"
-    return dataclasses.replace(base, mode=mode, log_path=log, overlap_backend=overlap)
+    if variant.startswith("freescale") and variant != "freescale_nccl_overlap":
+        if overlap == "default":
+            overlap = "auto"
+    return dataclasses.replace(
+        base,
+        mode=mode,
+        log_path=log,
+        overlap_backend=overlap,
+        sparse_update=_UPDATE.get(variant, base.sparse_update),  # type: ignore[arg-type]
+    )
 
 
 def run_variant(
@@ -247,7 +276,8 @@ def run_e2e(
     and NCCL initialisation) are not charged to the first variant."""
     bad = [v for v in variants if v not in _SPEC]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+        known = ", ".join(VARIANTS + DIAGNOSTIC_VARIANTS)
+        raise ValueError(f"unknown variant(s) {bad}; choose from {known}")
     if warmup_steps > 0:
         wcfg = dataclasses.replace(
             base_cfg,
@@ -747,7 +777,12 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="freescale bench e2e", description=__doc__.split("\n")[0])
     _add_train_flags(p)
     p.add_argument("--out", required=True, help="report folder (e2e.json, e2e.md, e2e.png)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS + DIAGNOSTIC_VARIANTS),
+        default=list(VARIANTS),
+    )
     p.add_argument(
         "--baseline",
         default=None,
