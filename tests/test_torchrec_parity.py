@@ -166,7 +166,8 @@ def _fbgemm_collection_class():
             self._pending = self._counts.popleft()  # vanilla: backward in forward order
             return super()._grad_exchange_and_update(st, grad)
 
-        def apply_gradients(self, keys, grads, step, lr):  # noqa: ANN001, ANN202
+        def apply_gradients(self, keys, grads, step, lr, groups=None):  # noqa: ANN001, ANN202
+            # (groups: a grouping started ahead; this order groups the keys itself)
             c = self._pending.to(torch.int64)
             w, k = c.shape
             feat = torch.repeat_interleave(torch.arange(k).repeat(w), c.reshape(-1))

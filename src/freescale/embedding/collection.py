@@ -451,8 +451,11 @@ class ShardedEmbeddingCollection(nn.Module):
             self.plan.dim * grad.element_size()
         )
         t0 = self._tic()
-        self.apply_gradients(st.recv_keys, recv, st.step, st.lr, groups=st.groups)
-        st.groups = None
+        if st.groups is not None:
+            self.apply_gradients(st.recv_keys, recv, st.step, st.lr, groups=st.groups)
+            st.groups = None
+        else:  # (the signature subclasses written before ``groups`` existed override)
+            self.apply_gradients(st.recv_keys, recv, st.step, st.lr)
         self._toc("sparse_update", t0)
         self.stats.steps += 1
 

@@ -651,8 +651,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ):
             keys, grads = keys[:-1], grads[:-1]
             self._mutation_fired = True
-        groups = d.groups if keys is d.keys else None  # (drop_grad shortens the keys)
-        rows = self.apply_gradients(keys, grads, step, lr, groups=groups)
+        if d.groups is not None and keys is d.keys:  # (drop_grad shortens the keys)
+            rows = self.apply_gradients(keys, grads, step, lr, groups=d.groups)
+        else:
+            rows = self.apply_gradients(keys, grads, step, lr)
         self.tally.add(self.pstats, "deferred_rows", rows)
         self.pstats.deferred_ids += int(keys.numel())
         self._toc("deferred_update", t0)
