@@ -53,7 +53,7 @@ from .reduce import (
 # slot per id, so the sum and the update run over every id instead of every row) or
 # "ahead" (group_rows_start when the ids arrive in the forward, its two counts copied to
 # the host behind an event and read in the backward, long after; where no grouping was
-# started ahead — the collision rows of a prioritized step — padded on CUDA).
+# started ahead — the synchronous steps of the prioritized schedule — padded on CUDA).
 # All give bit-identical parameters and optimizer state.
 SPARSE_UPDATE_ENV_VAR = "FREESCALE_SPARSE_UPDATE"
 SPARSE_UPDATE_MODES = ("auto", "sync", "padded", "ahead")

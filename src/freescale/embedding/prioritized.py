@@ -231,6 +231,9 @@ class _PendingAhead:
     counts_ready: Any = None
     # the mask exchange's result when it ran ahead of (a) in t's backward
     exchanged: tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]] | None = None
+    # owner side, made right after the exchange: t's ids split by t+1's rows (collision,
+    # exclusive) and, with the "ahead" update, their row groupings already started
+    owner_split: tuple[torch.Tensor, torch.Tensor, Any, Any] | None = None
 
 
 @dataclass
@@ -247,7 +250,8 @@ class _GradSplit:
     excl_keys: torch.Tensor
     coll_recv_splits: list[int]
     excl_recv_splits: list[int]
-    # excl_keys' row grouping, started here for the deferred update ("ahead" update)
+    # coll_keys' / excl_keys' row groupings, started after the mask exchange ("ahead")
+    coll_groups: PendingRowGroups | None = None
     excl_groups: PendingRowGroups | None = None
 
 
@@ -725,12 +729,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def _look_ahead_rest(self, p: _PendingAhead) -> tuple[_Ahead, _GradSplit | None]:
         """(b), second half: read the counts (one read-back), exchange the masks (the
         trailer is the second), split t's gradients, send t+1's exclusive rows."""
-        dist_t, dn, coll_n, reap_t = p.dist_t, p.dn, p.coll_n, p.reap_t
-        keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
+        dist_t, dn, coll_n = p.dist_t, p.dn, p.coll_n
+        keys_n = dn.recv_keys
         values, lengths = p.values, p.lengths
         if p.exchanged is None:
             self._exchange_masks(p)
         assert p.exchanged is not None
+        owner_split = p.owner_split
         coll_y, reap_y, decision, sums = p.exchanged
         tr, own = sums
         coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
@@ -759,7 +764,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # owner side
         reap_per_src, coll_per_src = own[:w], own[w : 2 * w]
         # positions from counts already on the host (no nonzero / boolean-index syncs)
-        n_coll_own, n_reap_own = sum(coll_per_src), sum(reap_per_src)
+        n_coll_own = sum(coll_per_src)
+        assert owner_split is not None  # made with the exchange when it decided so
         excl_keys_n = keys_n.index_select(0, mask_positions(~coll_n, len(keys_n) - n_coll_own))
         ahead.coll_keys = keys_n.index_select(0, mask_positions(coll_n, n_coll_own))
         ahead.coll_send_splits = coll_per_src
@@ -778,15 +784,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             excl_pos=mask_positions(~reap_y, len(reap_y) - n_reap_req),
             coll_send_splits=g_coll,
             excl_send_splits=[a - b for a, b in zip(dist_t.send_splits, g_coll)],
-            coll_keys=keys_t.index_select(0, mask_positions(reap_t, n_reap_own)),
-            excl_keys=keys_t.index_select(0, mask_positions(~reap_t, len(keys_t) - n_reap_own)),
+            coll_keys=owner_split[0],
+            excl_keys=owner_split[1],
             coll_recv_splits=reap_per_src,
             excl_recv_splits=[a - b for a, b in zip(dist_t.recv_splits, reap_per_src)],
+            coll_groups=owner_split[2],
+            excl_groups=owner_split[3],
         )
-        if self.update_mode(keys_t.is_cuda) == "ahead":
-            # the deferred update of t's exclusive rows runs at (a) of t+1: its row count
-            # is on the host by then
-            split.excl_groups = group_rows_start(split.excl_keys)
         # t+1's exclusive rows: every earlier update of them is applied (see docstring)
         self._delay()
         t0 = self._tic()
@@ -807,7 +811,27 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         update, the exchange (and so its read) would wait for that update's kernels."""
         t0 = self._tic()
         p.exchanged = self._mask_exchange(p)
+        if p.exchanged[2]:  # prioritized: t's gradients will split by t+1's rows
+            p.owner_split = self._owner_split(p)
         self._toc("collision_detect", t0)
+
+    def _owner_split(self, p: _PendingAhead) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+        """Owner side of t's gradient split: the shard rows of t's ids that t+1 touches
+        (their gradients are applied in t's backward) and the others (deferred to (a) of
+        t+1), in received order; with the ``ahead`` update, both row groupings are started
+        here — right after the exchange, before (a)'s kernels are queued behind them on
+        the side stream — so the updates read their row counts without waiting."""
+        assert p.exchanged is not None
+        own = p.exchanged[3][1]
+        w = self.comm.world_size
+        keys_t, reap_t = p.dist_t.recv_keys, p.reap_t
+        n_reap_own = sum(own[:w])
+        coll_keys = keys_t.index_select(0, mask_positions(reap_t, n_reap_own))
+        excl_keys = keys_t.index_select(0, mask_positions(~reap_t, len(keys_t) - n_reap_own))
+        coll_groups = excl_groups = None
+        if self.update_mode(keys_t.is_cuda) == "ahead":
+            coll_groups, excl_groups = group_rows_start(coll_keys), group_rows_start(excl_keys)
+        return coll_keys, excl_keys, coll_groups, excl_groups
 
     def _mask_exchange(
         self, p: _PendingAhead
@@ -939,7 +963,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ) * rb
         self._toc("grad_a2a", t0)
         t0 = self._tic()
-        self.apply_gradients(sp.coll_keys, recv, st.step, st.lr)
+        if sp.coll_groups is not None:
+            self.apply_gradients(sp.coll_keys, recv, st.step, st.lr, groups=sp.coll_groups)
+        else:
+            self.apply_gradients(sp.coll_keys, recv, st.step, st.lr)
         self._toc("sparse_update", t0)
         # t+1's collision rows, now updated: what (c) of t+1 waits for
         t0 = self._tic()
