@@ -20,6 +20,10 @@
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
 #                                      # freescale_padded_update (same bits, other update)
+#   bash benchmarks/e2e_gpu.sh ne      # ~5 min: where balancing's NE distance comes from: vanilla,
+#                                      # an in-rank reordering, the cross-rank shuffle and
+#                                      # balance_fbs with float32 attention (the default is
+#                                      # bfloat16 flex on CUDA); compare with main's distances
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
 #                                      # prioritized, balance_fbs, freescale_nccl_overlap
@@ -123,6 +127,12 @@ update)
     > "$OUT/e2e_update.log" 2>&1
   echo "update rc=$?"; tail -40 "$OUT/e2e_update.log"
   ;;
+ne)
+  timeout 570 $E2E --out "$OUT/e2e_ne_fp32" --nproc 2 --steps "$STEPS" --attention-dtype float32 \
+    --variants vanilla vanilla_reordered vanilla_shuffled balance_fbs \
+    > "$OUT/e2e_ne_fp32.log" 2>&1
+  echo "ne rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_ne_fp32.log" | head -20
+  ;;
 ablate)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
@@ -132,5 +142,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|update|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|update|ne|ablate" >&2; exit 2 ;;
 esac

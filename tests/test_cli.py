@@ -96,3 +96,6 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     assert cfg.mode == "prioritized" and cfg.overlap_backend == "default" and bal is None
     cfg, bal = parse()  # defaults: vanilla, nothing on
     assert cfg.mode == "vanilla" and cfg.overlap_backend == "default" and bal is None
+    assert cfg.model.attention_dtype == "auto" and cfg.sparse_update == "auto"
+    cfg, _ = parse("--attention-dtype", "float32", "--sparse-update", "ahead")
+    assert cfg.model.attention_dtype == "float32" and cfg.sparse_update == "ahead"

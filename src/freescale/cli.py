@@ -66,6 +66,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=None)
     p.add_argument("--attention", choices=["auto", "reference", "sdpa", "flex"], default="auto")
     p.add_argument(
+        "--attention-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="attention compute dtype (auto: bfloat16 for flex on CUDA, else the model's)",
+    )
+    p.add_argument(
         "--sparse-optim", choices=["sgd", "rowwise_adagrad", "adam"], default="rowwise_adagrad"
     )
     p.add_argument("--sparse-lr", type=float, default=None)
@@ -200,7 +206,9 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         v = getattr(args, flag)
         if v is not None:
             setattr(data, attr, v)
-    model = ModelConfig(attention=args.attention)
+    model = ModelConfig(
+        attention=args.attention, attention_dtype=getattr(args, "attention_dtype", "auto")
+    )
     if gpu:
         model.embedding_dim, model.num_heads = 128, 4
     for flag in ("embedding_dim", "num_layers", "num_heads"):
