@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freescale.pipeline.accounting import gpu_accounting, interval_union, merge_ranks
-from freescale.pipeline.trainer import Trainer
+from freescale.pipeline.trainer import Trainer, TrainerHook, _host_copy
 from test_trainer import _compare, _state, tiny_config
 
 
@@ -57,9 +57,19 @@ def test_accounting_without_gpu_activity():
     assert not merge_ranks([a])["available"]
 
 
+class _Losses(TrainerHook):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_metrics(self, trainer, step, record):  # noqa: ANN001, ANN201
+        self.losses.append(record["loss_sum"])
+
+
 def _run(rank, world, cfg):
-    tr = Trainer(cfg)
+    hook = _Losses()
+    tr = Trainer(cfg, hooks=[hook])
     summary = tr.train()
+    summary["_losses"] = hook.losses
     return _state(tr), summary
 
 
@@ -74,9 +84,27 @@ def test_events_timing_and_profiling_change_nothing(pool2, tmp_path):
     assert _compare([r[0] for r in a], [r[0] for r in b], 0.0) == 0.0
     sa, sb = a[0][1], b[0][1]
     assert sb["timing"] == "events" and sb["eval_ne"] == sa["eval_ne"]
+    # each step's loss reaches the bookkeeping as a host float, the same in both modes
+    assert len(sb["_losses"]) == 8 and all(isinstance(x, float) for x in sb["_losses"])
+    assert sb["_losses"] == sa["_losses"]
     # every step's record was finished: stage times of the timed steps are present
     assert sb["timed_steps"] == 8 - 0 - 3 and {"dense", "forward", "data"} <= set(sb["stage_ms"])
     acc = sb["gpu_accounting"]  # CPU run: no GPU activity, said so; traces kept
     assert acc["profiled_steps"] == 3 and not acc["available"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
     assert torch.isfinite(torch.tensor(sb["straggler_share_median"]))
+
+
+def test_host_copy_leaves_host_tensors_alone():
+    t = torch.tensor(2.5)
+    assert _host_copy(t) is t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned copy path needs CUDA")
+def test_host_copy_of_a_device_tensor_is_pinned_and_complete_after_a_later_event():
+    x = torch.randn(3, device="cuda")
+    h = _host_copy(x)
+    ev = torch.cuda.Event()
+    ev.record()
+    ev.synchronize()
+    assert h.device.type == "cpu" and h.is_pinned() and torch.equal(h, x.cpu())

@@ -522,6 +522,7 @@ class Trainer:
                 gc = batch.extras["global_candidates"]
                 loss_sum = sum_bce_loss(logits, batch.labels)
                 loss = loss_sum / max(gc, 1.0)
+                loss_host = _host_copy(loss_sum.detach()) if marks is not None else None
             times.add("forward", self._now() - t0)
             for h in self.hooks:
                 h.after_forward(self, t, loss)
@@ -563,7 +564,10 @@ class Trainer:
             )
         return {
             "step": t,
-            "loss_sum": loss_sum.detach() if marks is not None else float(loss_sum.detach()),
+            # with event timing: a pinned copy, complete once the step's marks are (read
+            # in _finish_step after them); float() of the device tensor there would wait
+            # for everything queued since, i.e. the whole next step
+            "loss_sum": loss_host if loss_host is not None else float(loss_sum.detach()),
             "_marks": marks,
             "global_candidates": gc,
             "samples": batch.batch_size,
@@ -801,7 +805,7 @@ class Trainer:
         if marks is not None:
             marks.synchronize()
             rec["times"].update(marks.stage_times(step_marks))
-        if isinstance(rec["loss_sum"], torch.Tensor):
+        if isinstance(rec["loss_sum"], torch.Tensor):  # host memory: its copy is done
             rec["loss_sum"] = float(rec["loss_sum"])
         acc.loss += rec["loss_sum"]
         acc.cands += rec["candidates"]
@@ -961,6 +965,17 @@ class _LoopAccumulator:
     cands: float = 0.0
     straggler: list[float] = field(default_factory=list)
     stage_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to (pinned) host memory without a wait on CUDA: the copy is queued on
+    the current stream, so it is complete once a later event on that stream is; ``t``
+    itself elsewhere."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class _Marks:
