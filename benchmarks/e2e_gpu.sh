@@ -5,6 +5,7 @@
 #                                      # padded sparse updates (bitwise vs synchronous), tier-1
 #                                      # prioritized check, the kernels, dispatch profile
 #   bash benchmarks/e2e_gpu.sh first   # verify then host in one call (~5.5 min, one start-up)
+#   bash benchmarks/e2e_gpu.sh vcheck  # verify then check in one call (~6 min)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
 #                                      # benchmarks/kernels.py (the kernels figure)
 #   bash benchmarks/e2e_gpu.sh sparse  # ~3 min: padded sparse update bitwise on CUDA + 150-step
@@ -45,6 +46,10 @@ case "${1:-}" in
 first)
   bash "$0" verify
   bash "$0" host
+  ;;
+vcheck)
+  bash "$0" verify
+  bash "$0" check
   ;;
 verify)
   timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
@@ -99,7 +104,7 @@ check)
   for mode in vanilla sdd freescale; do
     FREESCALE_SYNC_DEBUG=1 timeout 150 python -m freescale.cli train --device cuda --nproc 2 \
       --steps 30 --mode "$mode" --timing events --profile-steps 5 --zipf-s 0.6 \
-      --trace-dir "$OUT/trace_$mode" --no-progress > "$OUT/check_$mode.log" 2>&1
+      --trace-dir "/tmp/trace_check_$mode" --no-progress > "$OUT/check_$mode.log" 2>&1
     echo "$mode rc=$?"; grep -E "QPS|GPU per step|Error|error" "$OUT/check_$mode.log" | head -5
     # "<file>:<line>: UserWarning: called a synchronizing CUDA operation" (once per site)
     grep "synchronizing" "$OUT/check_$mode.log" | cut -c1-160 | sort | uniq -c | head -25
@@ -142,5 +147,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|verify|kernels|sparse|host|check|smoke|main|update|ne|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|ablate" >&2; exit 2 ;;
 esac
