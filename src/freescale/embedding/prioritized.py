@@ -279,7 +279,7 @@ class _Deferred:
     step: int
     lr: float | None
     send: torch.Tensor  # kept alive (and counted) until applied
-    groups: PendingRowGroups | None = None  # keys' grouping, started at (b) of t
+    groups: PendingRowGroups | None = None  # keys' grouping, started in t's backward
 
 
 class _PrioritizedExchange(torch.autograd.Function):
@@ -367,7 +367,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     )
     backward_time_keys = ("grad_a2a", "sparse_update", "coll_lookup")
     # t+1's id dist is made in t's forward but its gradients are split by t+2's rows:
-    # the subsets are grouped at (b) instead (see _look_ahead_rest)
+    # the subsets are grouped after the mask exchange instead (see _owner_split)
     _groups_in_input_dist = False
 
     def __init__(
@@ -594,7 +594,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if d is not None:
             out["deferred_gradients"] += _nbytes(d.keys, d.send)
             out["deferred_gradients"] += int(d.keys.numel()) * self._row_bytes()
-            if d.groups is not None:  # the keys' row grouping, started at (b)
+            if d.groups is not None:  # the keys' row grouping, started in t's backward
                 g = d.groups
                 out["masks"] += _nbytes(g.order, g.sorted_keys, g.is_start)
         out["total"] = sum(out.values())
