@@ -451,11 +451,8 @@ class ShardedEmbeddingCollection(nn.Module):
             self.plan.dim * grad.element_size()
         )
         t0 = self._tic()
-        if st.groups is not None:
-            self.apply_gradients(st.recv_keys, recv, st.step, st.lr, groups=st.groups)
-            st.groups = None
-        else:  # (the signature subclasses written before ``groups`` existed override)
-            self.apply_gradients(st.recv_keys, recv, st.step, st.lr)
+        self._apply(st.recv_keys, recv, st.step, st.lr, st.groups)
+        st.groups = None
         self._toc("sparse_update", t0)
         self.stats.steps += 1
 
@@ -481,6 +478,20 @@ class ShardedEmbeddingCollection(nn.Module):
         if mode == "auto":
             return "ahead" if cuda else "sync"
         return mode
+
+    def _apply(
+        self,
+        keys: torch.Tensor,
+        grads: torch.Tensor,
+        step: int,
+        lr: float | None,
+        groups: PendingRowGroups | None,
+    ) -> torch.Tensor | int:
+        """:meth:`apply_gradients`, passing ``groups`` only when a grouping was started
+        (subclasses that override the signature without ``groups`` keep working)."""
+        if groups is None:
+            return self.apply_gradients(keys, grads, step, lr)
+        return self.apply_gradients(keys, grads, step, lr, groups=groups)
 
     def apply_gradients(
         self,

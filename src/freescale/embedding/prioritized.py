@@ -655,10 +655,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ):
             keys, grads = keys[:-1], grads[:-1]
             self._mutation_fired = True
-        if d.groups is not None and keys is d.keys:  # (drop_grad shortens the keys)
-            rows = self.apply_gradients(keys, grads, step, lr, groups=d.groups)
-        else:
-            rows = self.apply_gradients(keys, grads, step, lr)
+        groups = d.groups if keys is d.keys else None  # (drop_grad shortens the keys)
+        rows = self._apply(keys, grads, step, lr, groups)
         self.tally.add(self.pstats, "deferred_rows", rows)
         self.pstats.deferred_ids += int(keys.numel())
         self._toc("deferred_update", t0)
@@ -963,10 +961,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ) * rb
         self._toc("grad_a2a", t0)
         t0 = self._tic()
-        if sp.coll_groups is not None:
-            self.apply_gradients(sp.coll_keys, recv, st.step, st.lr, groups=sp.coll_groups)
-        else:
-            self.apply_gradients(sp.coll_keys, recv, st.step, st.lr)
+        self._apply(sp.coll_keys, recv, st.step, st.lr, sp.coll_groups)
         self._toc("sparse_update", t0)
         # t+1's collision rows, now updated: what (c) of t+1 waits for
         t0 = self._tic()
