@@ -25,6 +25,13 @@
 #                                      # an in-rank reordering, the cross-rank shuffle and
 #                                      # balance_fbs with float32 attention (the default is
 #                                      # bfloat16 flex on CUDA); compare with main's distances
+#   bash benchmarks/e2e_gpu.sh smfree  # ~6.5 min: the copy engine's device-side completion:
+#                                      # gpu_check_comm.py (bitwise vs NCCL, host and device
+#                                      # completion, a mutant that must be CAUGHT), then one
+#                                      # e2e run: vanilla, freescale (host completion),
+#                                      # freescale_device_completion, freescale_nccl_overlap
+#   bash benchmarks/e2e_gpu.sh hostt   # ~1.5 min: host wall time per function and step
+#                                      # (benchmarks/host_time), vanilla and freescale
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
 #                                      # prioritized, balance_fbs, freescale_nccl_overlap
@@ -138,6 +145,26 @@ ne)
     > "$OUT/e2e_ne_fp32.log" 2>&1
   echo "ne rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_ne_fp32.log" | head -20
   ;;
+smfree)
+  timeout 150 python -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_check_comm.py \
+    > "$OUT/gpu_check_comm.log" 2>&1
+  echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions" \
+    "$OUT/gpu_check_comm.log" | head -20; grep -c CAUGHT "$OUT/gpu_check_comm.log"
+  timeout 420 $E2E --out "$OUT/e2e_smfree" --nproc 2 --steps "${SMFREE_STEPS:-600}" \
+    --variants vanilla freescale freescale_device_completion freescale_nccl_overlap \
+    > "$OUT/e2e_smfree.log" 2>&1
+  echo "smfree e2e rc=$?"; grep -E "^\| " "$OUT/e2e_smfree/e2e.md" | cut -c1-220
+  rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
+  ;;
+hostt)
+  for mode in vanilla freescale; do
+    mkdir -p "$OUT/hostt_$mode"
+    FS_HOSTT=1 FS_HOSTT_WARM=20 FS_HOSTT_OUT="$OUT/hostt_$mode" PYTHONPATH=benchmarks/host_time:src \
+      timeout 100 python -m freescale.cli train --device cuda --nproc 2 --steps 60 --mode "$mode" \
+      --timing events --zipf-s 0.6 --no-progress --eval-every 0 > "/tmp/hostt_$mode.log" 2>&1
+    echo "$mode rc=$?"; grep -E "QPS" "/tmp/hostt_$mode.log"; head -12 "$OUT"/hostt_"$mode"/*.txt
+  done
+  ;;
 ablate)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
@@ -147,5 +174,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|hostt|ablate" >&2; exit 2 ;;
 esac

@@ -77,12 +77,17 @@ class Checker:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.failures = 0
+        self.caught = 0
         self.lines: list[str] = []
 
     def report(self, status: str, what: str, detail: str = "") -> None:
+        if status == "MISMATCH" and "mutant" in what:
+            status = "CAUGHT"  # the deliberate bug of the mutant communicator was seen
         line = f"[rank {self.rank}] {status:<11} {what}" + (f"  ({detail})" if detail else "")
         print(line, flush=True)
-        if status != "OK":
+        if status == "CAUGHT":
+            self.caught += 1
+        elif status != "OK":
             self.failures += status == "MISMATCH"
 
     def compare(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -148,10 +153,29 @@ def main() -> int:
         peer_memories = [pm for pm in peer_memories if pm in a.only]
     comms = {
         f"copy_engine[{pm}]": CopyEngineCommunicator.create(
-            name=f"ce_{pm}", config=CopyEngineConfig(peer_memory=pm, **cfg), device=dev
+            name=f"ce_{pm}",
+            config=CopyEngineConfig(peer_memory=pm, completion="host", **cfg),
+            device=dev,
         )
         for pm in peer_memories
     }
+    # device-side completion (inter-process events), and a mutant of it that skips the
+    # wait for the peers' copies: the checks must catch the mutant (CAUGHT lines)
+    for pm in peer_memories:
+        comms[f"copy_engine[{pm},device]"] = CopyEngineCommunicator.create(
+            name=f"ce_{pm}_dev",
+            config=CopyEngineConfig(peer_memory=pm, completion="device", **cfg),
+            device=dev,
+        )
+    if not a.cpu and peer_memories:
+        pm = peer_memories[0]
+        mutant = CopyEngineCommunicator.create(
+            name="ce_mutant",
+            config=CopyEngineConfig(peer_memory=pm, completion="device", **cfg),
+            device=dev,
+        )
+        mutant._mutation = "skip_sent_wait"
+        comms[f"copy_engine[{pm},device,mutant]"] = mutant
     if a.only is None or "host_staged" in a.only:
         comms["host_staged"] = HostStagedCommunicator.create(
             name="hs",
@@ -260,14 +284,22 @@ def main() -> int:
     fatal = int("host_staged" in broken) + int(
         bool(peer_memories) and all(f"copy_engine[{pm}]" in broken for pm in peer_memories)
     )
-    flags = torch.tensor([chk.failures, fatal, len(broken)], dtype=torch.int64)
+    flags = torch.tensor([chk.failures, fatal, len(broken), chk.caught], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctrl)
-    mism, fat, nbroken = (int(v) for v in flags)
+    mism, fat, nbroken, caught = (int(v) for v in flags)
+    device_runs = {
+        n: c.device_completions
+        for n, c in comms.items()
+        if isinstance(c, CopyEngineCommunicator) and "device" in n
+    }
+    print(f"[rank {rank}] device completions per communicator: {device_runs}", flush=True)
     if rank == 0:
         verdict = "PASS" if mism == 0 and fat == 0 else "FAIL"
         print(
             f"gpu_check_comm: {verdict}: {mism} mismatch(es) on the worst rank, "
             f"{nbroken} backend(s) unavailable somewhere ({sorted(broken) or 'none'} here), "
+            f"mutant caught in {caught} check(s) on the worst rank "
+            f"({'ok' if caught or a.cpu else 'NOT CAUGHT: the check cannot see the race'}), "
             f"{time.monotonic() - t0:.1f} s",
             flush=True,
         )

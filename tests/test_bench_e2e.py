@@ -18,10 +18,13 @@ import os
 
 import pytest
 
+from freescale.comm.copy_engine import COMPLETION_ENV, CopyEngineConfig
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
 from freescale.pipeline.bench_e2e import (
+    _COMPLETION,
     DIAGNOSTIC_VARIANTS,
     VARIANTS,
+    _completion_env,
     _variant_cfg,
     headline,
     merge_results,
@@ -166,9 +169,11 @@ def test_e2e_report_numerics(pool2, tmp_path):
         merge_results(on_disk, other)
 
 
-def test_diagnostic_variants_force_the_sparse_update_only():
+def test_diagnostic_variants_force_one_setting_only(monkeypatch):
     """The sparse-update diagnostics differ from their variant only in
-    ``sparse_update``; they are not run unless named."""
+    ``sparse_update``, the completion diagnostic only in the copy engine's completion
+    (set through its environment variable while the trainer runs); none runs unless
+    named."""
     base = TrainConfig()
     assert not set(DIAGNOSTIC_VARIANTS) & set(VARIANTS)
     pairs = {
@@ -176,8 +181,20 @@ def test_diagnostic_variants_force_the_sparse_update_only():
         "vanilla_padded_update": ("vanilla", "vanilla", "padded"),
         "freescale_padded_update": ("freescale", "prioritized", "padded"),
     }
-    assert set(pairs) == set(DIAGNOSTIC_VARIANTS)
+    assert set(pairs) | {"freescale_device_completion"} == set(DIAGNOSTIC_VARIANTS)
     for diag, (twin, mode, update) in pairs.items():
         got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
         assert got.sparse_update == update and ref.sparse_update == base.sparse_update
         assert got == dataclasses.replace(ref, sparse_update=update, log_path=got.log_path)
+    got = _variant_cfg(base, "freescale_device_completion", "prioritized")
+    ref = _variant_cfg(base, "freescale", "prioritized")
+    assert got == dataclasses.replace(ref, log_path=got.log_path)
+    assert _COMPLETION == {"freescale_device_completion": "device"}
+    monkeypatch.setenv(COMPLETION_ENV, "host")
+    with _completion_env("device"):
+        assert CopyEngineConfig().resolved_completion() == "device"
+    assert os.environ[COMPLETION_ENV] == "host"
+    monkeypatch.delenv(COMPLETION_ENV)
+    with _completion_env(None):
+        assert CopyEngineConfig().resolved_completion() == "host"
+    assert COMPLETION_ENV not in os.environ

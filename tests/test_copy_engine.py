@@ -37,6 +37,7 @@ from freescale.comm import (
     select_backend,
 )
 from freescale.comm.copy_engine import (
+    COMPLETION_ENV,
     TRAFFIC_CLASSES,
     _split_range,
     ensure_no_multicast,
@@ -249,9 +250,22 @@ def test_copy_engine_config_validation() -> None:
         dict(initial_buffer_bytes=1 << 30, max_buffer_bytes=1 << 20),
         dict(copy_streams=0),
         dict(timeout_s=0),
+        dict(completion="gpu"),
     ]:
         with pytest.raises(ValueError):
             CopyEngineConfig(**bad)
+
+
+def test_copy_engine_completion_resolution(monkeypatch) -> None:
+    """``auto`` follows FREESCALE_COPY_ENGINE_COMPLETION, else host; explicit values win."""
+    monkeypatch.delenv(COMPLETION_ENV, raising=False)
+    assert CopyEngineConfig().resolved_completion() == "host"
+    monkeypatch.setenv(COMPLETION_ENV, "device")
+    assert CopyEngineConfig().resolved_completion() == "device"
+    assert CopyEngineConfig(completion="host").resolved_completion() == "host"
+    monkeypatch.setenv(COMPLETION_ENV, "sometimes")
+    with pytest.raises(ValueError, match=COMPLETION_ENV):
+        CopyEngineConfig().resolved_completion()
 
 
 def test_symmetric_memory_api_shape() -> None:
@@ -330,11 +344,14 @@ def _check_segments(comm, rank, seed, S, feat=(3,), dtype=torch.float32, name="s
     assert torch.equal(got, _expected_a2a(seed, S, rank, feat, dtype)), f"{name} rank {rank}"
 
 
-def ce_suite(rank: int, world: int, big_rows: int) -> dict:
+def ce_suite(rank: int, world: int, big_rows: int, completion: str = "host") -> dict:
     torch.set_num_threads(1)
     base = Communicator()
-    cfg = CopyEngineConfig(initial_buffer_bytes=4096, growth_factor=1.5, timeout_s=60)
+    cfg = CopyEngineConfig(
+        initial_buffer_bytes=4096, growth_factor=1.5, timeout_s=60, completion=completion
+    )
     comm = CopyEngineCommunicator.create(name="ce", config=cfg, device="cpu")
+    assert comm.completion == completion
     try:
         # random variable splits, dtypes and row shapes
         _check_a2a(comm, rank, 1, _splits(11, world, 20))
@@ -422,7 +439,12 @@ def ce_suite(rank: int, world: int, big_rows: int) -> dict:
         mem = comm.memory_stats()
         assert mem["peer_memory"] == "host_shm"
         assert 0 < mem["peak_buffer_bytes"] <= 2 * cfg.max_buffer_bytes
-        return {"grew_to": grew, "mem": mem, "seq": comm._seq}
+        return {
+            "grew_to": grew,
+            "mem": mem,
+            "seq": comm._seq,
+            "device_completions": comm.device_completions,
+        }
     finally:
         comm.close()
 
@@ -475,13 +497,19 @@ def ce_error_suite(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_copy_engine_protocol_on_cpu_ranks(world: int, request) -> None:
+@pytest.mark.parametrize(
+    "world,completion", [(2, "host"), (4, "host"), (2, "device"), (4, "device")]
+)
+def test_copy_engine_protocol_on_cpu_ranks(world: int, completion: str, request) -> None:
     pool = request.getfixturevalue(f"pool{world}")
     big_rows = 60_000 if world == 2 else 40_000  # 8 floats per row: MBs per rank
-    res = pool.run(ce_suite, big_rows)
+    res = pool.run(ce_suite, big_rows, completion)
     assert len({r["seq"] for r in res}) == 1  # every rank issued the same sequence
     assert all(r["grew_to"] > 4096 for r in res)
+    # the device-completion protocol really ran (every data collective), or not at all
+    n = res[0]["device_completions"]
+    assert all(r["device_completions"] == n for r in res)
+    assert (n > 30) if completion == "device" else (n == 0)
 
 
 @pytest.mark.timeout(200)

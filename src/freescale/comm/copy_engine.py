@@ -43,6 +43,21 @@ How one all-to-all-v runs (every rank, same order):
 8. ``wait()`` blocks until the worker finished issuing, then makes the *current* stream
    wait on the job's final event (no host synchronisation with the device).
 
+Completion (``CopyEngineConfig.completion``). With ``host`` (the default until measured
+on GPUs) the worker waits on the host in steps 2 and 6: for its buffer's release and
+for its copies into the peers — so for the GPU to have run the producer of ``src`` and
+the transfer. A caller's ``wait()`` then blocks until then: a host-device
+synchronisation on the critical path when the producer was queued recently (the
+prioritized forward waits for the exclusive rows sent in the previous backward). With
+``device`` both waits move to the copy streams through CUDA inter-process events, one
+``free`` and one ``sent`` event per rank and receive buffer, opened by every peer once
+(:class:`_PeerSignals`): step 2 records ``free`` after the copy streams wait for the
+release; step 5 makes the copy streams wait for every peer's ``free`` before pushing
+and records ``sent`` after the pushes; step 6 keeps the all-reduce (errors, and it
+orders every ``sent`` record before the peers' waits) but no host wait; step 7 waits
+for every peer's ``sent`` on the copy streams. The worker then never waits for the GPU
+(except when a buffer grows), and ``wait()`` only for the peers' workers.
+
 Peer memory (``CopyEngineConfig.peer_memory``): ``symmetric`` = PyTorch symmetric memory
 (CUDA backend; multicast must stay off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is enforced),
 ``ipc`` = CUDA IPC handles through torch.multiprocessing's reductions (peer buffers then
@@ -340,6 +355,8 @@ def _split_range(nbytes: int, parts: int, align: int = 64 * 1024) -> list[tuple[
 
 # ==================================================================== config
 _PEER_MEMORY = ("auto", "symmetric", "ipc", "host_shm")
+_COMPLETION = ("auto", "host", "device")
+COMPLETION_ENV = "FREESCALE_COPY_ENGINE_COMPLETION"
 
 
 @dataclass
@@ -356,6 +373,14 @@ class CopyEngineConfig:
     * ``copy_streams``: side streams the peer copies are spread over (each copy is cut
       into that many pieces; more streams may engage more copy engines).
     * ``timeout_s``: limit for each gloo operation and each host wait on a copy.
+    * ``completion``: how a collective's copies are ordered with the peers' (module doc,
+      "Completion"): ``host`` = the worker waits on the host for its copies into the
+      peers before the completion all-reduce (and for a receive buffer to be free before
+      the header exchange); ``device`` = those waits are device-side, through CUDA
+      inter-process events, so neither the worker nor ``wait()`` ever waits for the GPU;
+      ``auto`` = the ``FREESCALE_COPY_ENGINE_COMPLETION`` variable if set, else ``host``
+      (``device`` is not yet measured on GPUs). On CPU both run the same protocol (the
+      copies are synchronous there).
     """
 
     peer_memory: str = "auto"
@@ -365,8 +390,11 @@ class CopyEngineConfig:
     max_buffer_bytes: int = 8 << 30
     copy_streams: int = 1
     timeout_s: float = 300.0
+    completion: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.completion not in _COMPLETION:
+            raise ValueError(f"completion must be one of {_COMPLETION}, got {self.completion!r}")
         if self.peer_memory not in _PEER_MEMORY:
             raise ValueError(f"peer_memory must be one of {_PEER_MEMORY}, got {self.peer_memory!r}")
         if self.num_recv_buffers < 1:
@@ -381,6 +409,17 @@ class CopyEngineConfig:
             raise ValueError("copy_streams must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+
+    def resolved_completion(self) -> str:
+        """``host`` or ``device`` (``auto`` resolved through the environment)."""
+        if self.completion != "auto":
+            return self.completion
+        env = os.environ.get(COMPLETION_ENV, "").strip().lower()
+        if env in ("", "auto", "host"):
+            return "host"
+        if env == "device":
+            return "device"
+        raise ValueError(f"{COMPLETION_ENV}={env!r}: use host, device or auto")
 
 
 # ============================================================ peer memory kinds
@@ -512,6 +551,9 @@ class _HostCopier:
     def record(self, stream: int = 0) -> Any:
         return _NullEvent()
 
+    def record_event(self, event: Any, stream: int = 0) -> None:
+        pass
+
     def record_stream(self, t: torch.Tensor) -> None:
         pass
 
@@ -545,6 +587,9 @@ class _CudaCopier:
         ev.record(self.streams[stream % self.n])
         return ev
 
+    def record_event(self, event: Any, stream: int = 0) -> None:
+        event.record(self.streams[stream % self.n])
+
     def record_stream(self, t: torch.Tensor) -> None:
         if t.is_cuda:
             for s in self.streams:
@@ -558,6 +603,56 @@ class _CudaCopier:
     def synchronize(self) -> None:
         for s in self.streams:
             s.synchronize()
+
+
+class _PeerSignals:
+    """Device-side completion (``completion='device'``): for every receive buffer
+    (slot), two CUDA inter-process events per rank, opened by every peer: ``free`` —
+    recorded once this rank's buffer may be overwritten (the previous copy-out from it
+    and the release of views handed out from it) — and ``sent`` — recorded after this
+    rank's copies into the peers' buffers. Peers wait on them on their copy streams, never
+    on the host. A wait applies to the record made by the last host call before it; the
+    gloo header exchange (after ``free`` is recorded) and the completion all-reduce
+    (after ``sent``) order each record before the peers' waits on it, and a slot's next
+    records come only after every peer passed this round's completion all-reduce."""
+
+    def __init__(self, device: torch.device, n_slots: int, rank: int, world: int) -> None:
+        self.device, self.rank, self.world = device, rank, world
+        self.free = [torch.cuda.Event(interprocess=True) for _ in range(n_slots)]
+        self.sent = [torch.cuda.Event(interprocess=True) for _ in range(n_slots)]
+        self.peer_free: list[list[Any]] = []
+        self.peer_sent: list[list[Any]] = []
+
+    def handles(self) -> tuple[list[bytes], list[bytes]]:
+        with torch.cuda.device(self.device):
+            return [e.ipc_handle() for e in self.free], [e.ipc_handle() for e in self.sent]
+
+    def open(self, table: Sequence[Any]) -> None:
+        """Open every peer's events from the all-gathered handles."""
+        ev = torch.cuda.Event.from_ipc_handle
+        for p in range(self.world):
+            if p == self.rank:
+                self.peer_free.append([])
+                self.peer_sent.append([])
+            else:
+                self.peer_free.append([ev(self.device, h) for h in table[p][0]])
+                self.peer_sent.append([ev(self.device, h) for h in table[p][1]])
+
+    def peers(self, kind: str, idx: int) -> list[Any]:
+        table = self.peer_free if kind == "free" else self.peer_sent
+        return [table[p][idx] for p in range(self.world) if p != self.rank]
+
+
+class _HostSignals:
+    """``completion='device'`` on CPU ranks: copies are synchronous, so every record is
+    complete when made and the gloo exchanges alone order the peers (no events)."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.free = [_NullEvent() for _ in range(n_slots)]
+        self.sent = [_NullEvent() for _ in range(n_slots)]
+
+    def peers(self, kind: str, idx: int) -> list[Any]:
+        return []
 
 
 # ================================================================== the worker
@@ -659,6 +754,13 @@ class CopyEngineCommunicator(Communicator):
         self._lock = threading.Lock()
         self._seq = 0
         self._slots = [_Slot() for _ in range(self.config.num_recv_buffers)]
+        self.completion = self.config.resolved_completion()
+        self.completion_note = ""
+        self._signals: _PeerSignals | _HostSignals | None = None
+        self.device_completions = 0  # collectives completed with device-side waits
+        # a deliberate bug for the GPU check to catch (benchmarks/gpu_check_comm.py):
+        # "skip_sent_wait" copies out of the receive buffer without waiting for the peers
+        self._mutation: str | None = None
         self.peak_buffer_bytes = 0
         self._thread: threading.Thread | None = None
         if self.device.type not in ("cpu", "cuda"):
@@ -829,6 +931,40 @@ class CopyEngineCommunicator(Communicator):
         )
         return int(flag.item()) == 0
 
+    def _setup_signals(self) -> _PeerSignals | _HostSignals | None:
+        """Worker, first collective with ``completion='device'`` (every rank at the same
+        job): create and exchange the inter-process events. If any rank cannot, every
+        rank falls back to host completion (the reason in :attr:`completion_note`)."""
+        if self._signals is not None or self.completion != "device":
+            return self._signals
+        n = len(self._slots)
+        if self.device.type != "cuda":
+            self._signals = _HostSignals(n)
+            return self._signals
+        sig, handles, err = None, None, None
+        try:
+            sig = _PeerSignals(self.device, n, self.rank, self.world_size)
+            handles = sig.handles()
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            err = e
+        table: list[Any] = [None] * self.world_size
+        dist.all_gather_object(table, handles, group=self._pg)
+        if err is None and all(t is not None for t in table):
+            try:
+                assert sig is not None
+                sig.open(table)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        else:
+            err = err or RuntimeError("another rank could not create inter-process events")
+        if not self._agree(err is None, "opening the peers' inter-process events"):
+            self.completion = "host"
+            self.completion_note = f"device completion unavailable, host used: {err!r}"
+            warnings.warn(f"copy engine {self.name}: {self.completion_note}", stacklevel=2)
+            return None
+        self._signals = sig
+        return sig
+
     def _provider(self, kind: str) -> _PeerMemory:
         args = (self.device, self._pg, self.rank, self.world_size)
         if kind == "symmetric":
@@ -957,7 +1093,13 @@ class CopyEngineCommunicator(Communicator):
             copier.record_stream(src)
             if out is not None:
                 copier.record_stream(out)
-            self._wait_events(pre + slot.free_events, f"{describe}: receive buffer release")
+            sig = self._setup_signals()
+            if sig is None:
+                self._wait_events(pre + slot.free_events, f"{describe}: receive buffer release")
+            else:  # the peers' copies into this buffer wait for ``free`` on the device
+                for ev in pre + slot.free_events:
+                    copier.wait_event(ev)
+                copier.record_event(sig.free[idx])
             table = self._gather_header(hdr, f"{describe}: header exchange")
             _check_headers(table, world, describe)
             if op == _OP_A2A:
@@ -970,6 +1112,9 @@ class CopyEngineCommunicator(Communicator):
             try:
                 if ready is not None:
                     copier.wait_event(ready)
+                if sig is not None:  # every peer's buffer is free (its record, see above)
+                    for ev in sig.peers("free", idx):
+                        copier.wait_event(ev)
                 peers = slot.peers
                 k = 0
                 for p, s_off, d_off, n in plan.pushes:
@@ -983,8 +1128,12 @@ class CopyEngineCommunicator(Communicator):
                 o_off, s_off, n = plan.self_copy
                 if out is not None and n:
                     copier.copy(out[o_off : o_off + n], src[s_off : s_off + n], 0)
-                sent = [copier.record(i) for i in range(copier.n)]
-                self._wait_events(sent, f"{describe}: copies into peer buffers")
+                if sig is None:
+                    sent = [copier.record(i) for i in range(copier.n)]
+                    self._wait_events(sent, f"{describe}: copies into peer buffers")
+                else:
+                    copier.join()
+                    copier.record_event(sig.sent[idx])
             except BaseException as e:  # noqa: BLE001 - agreed on, then re-raised
                 failure = e
             everyone = self._agree(failure is None, f"{describe}: completion")
@@ -992,6 +1141,11 @@ class CopyEngineCommunicator(Communicator):
                 raise failure
             if not everyone:
                 raise RuntimeError("a peer rank failed to deliver its segment")
+            if sig is not None:  # every peer's copies into this buffer, on the device
+                if self._mutation != "skip_sent_wait":
+                    for ev in sig.peers("sent", idx):
+                        copier.wait_event(ev)
+                self.device_completions += 1
             if out is not None:
                 assert slot.local is not None or plan.recv_bytes == plan.self_copy[2]
                 for a, m in plan.copy_out_ranges(me):

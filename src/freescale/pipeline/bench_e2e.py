@@ -30,7 +30,10 @@ Variants (:data:`VARIANTS`):
 Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variants``):
 ``vanilla_sync_update``, ``vanilla_padded_update``, ``freescale_padded_update``: the
 variant with the owner's sparse update forced (``TrainConfig.sparse_update``; bitwise
-the same parameters), to compare the update implementations in one run.
+the same parameters), to compare the update implementations in one run;
+``freescale_device_completion``: freescale with the copy engine's device-side completion
+(``CopyEngineConfig.completion="device"``: no host wait for the GPU in its worker; same
+bits), next to ``freescale`` (host completion) in one run.
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -50,6 +53,7 @@ per stage), on CPU with the default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -58,6 +62,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,7 +91,14 @@ VARIANTS = (
     "freescale_nccl_overlap",
     "freescale",
 )
-DIAGNOSTIC_VARIANTS = ("vanilla_sync_update", "vanilla_padded_update", "freescale_padded_update")
+DIAGNOSTIC_VARIANTS = (
+    "vanilla_sync_update",
+    "vanilla_padded_update",
+    "freescale_padded_update",
+    "freescale_device_completion",
+)
+# diagnostic variant -> the copy engine's completion it forces (CopyEngineConfig.completion)
+_COMPLETION = {"freescale_device_completion": "device"}
 # diagnostic variant -> the sparse update it forces (TrainConfig.sparse_update)
 _UPDATE = {
     "vanilla_sync_update": "sync",
@@ -107,6 +119,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_sync_update": ("vanilla", None),
     "vanilla_padded_update": ("vanilla", None),
     "freescale_padded_update": ("prioritized", "fbs"),
+    "freescale_device_completion": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -185,6 +198,26 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
     )
 
 
+@contextlib.contextmanager
+def _completion_env(value: str | None) -> Iterator[None]:
+    """``FREESCALE_COPY_ENGINE_COMPLETION`` set to ``value`` (None: unchanged) while the
+    trainer builds its copy-engine communicators."""
+    from ..comm.copy_engine import COMPLETION_ENV
+
+    if value is None:
+        yield
+        return
+    old = os.environ.get(COMPLETION_ENV)
+    os.environ[COMPLETION_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(COMPLETION_ENV, None)
+        else:
+            os.environ[COMPLETION_ENV] = old
+
+
 def run_variant(
     rank: int, world: int, base_cfg: TrainConfig, variant: str, ctx: Any = None
 ) -> dict[str, Any]:
@@ -205,13 +238,16 @@ def run_variant(
     if variant in ("vanilla_reordered", "vanilla_reordered_b"):
         hooks.append(_Reorder(salt=int(variant.endswith("_b"))))
     hooks.append(rec)
-    tr = Trainer(cfg, hooks=hooks, ctx=ctx)
-    if tr.world_size != world or tr.rank != rank:
-        raise RuntimeError(f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}")
-    try:
-        summary = tr.train()
-    finally:
-        tr.close()
+    with _completion_env(_COMPLETION.get(variant)):  # read when communicators are made
+        tr = Trainer(cfg, hooks=hooks, ctx=ctx)
+        if tr.world_size != world or tr.rank != rank:
+            raise RuntimeError(
+                f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}"
+            )
+        try:
+            summary = tr.train()
+        finally:
+            tr.close()
     pstats = getattr(tr.sparse, "pstats", None)
     ps = pstats.as_dict() if pstats is not None else {}
     local = torch.tensor(
