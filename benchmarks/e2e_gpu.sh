@@ -21,10 +21,10 @@
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
 #                                      # freescale_padded_update (same bits, other update)
-#   bash benchmarks/e2e_gpu.sh ne      # ~5 min: where balancing's NE distance comes from: vanilla,
-#                                      # an in-rank reordering, the cross-rank shuffle and
-#                                      # balance_fbs with float32 attention (the default is
-#                                      # bfloat16 flex on CUDA); compare with main's distances
+#   bash benchmarks/e2e_gpu.sh ne      # ~6.5 min: where balancing's NE distance comes from:
+#                                      # vanilla, an in-rank reordering, the cross-rank shuffle
+#                                      # and balance_fbs, 150 steps, with the default bfloat16
+#                                      # flex attention and with float32 attention
 #   bash benchmarks/e2e_gpu.sh smfree  # ~6.5 min: the copy engine's device-side completion:
 #                                      # gpu_check_comm.py (bitwise vs NCCL, host and device
 #                                      # completion, a mutant that must be CAUGHT), then one
@@ -140,10 +140,16 @@ update)
   echo "update rc=$?"; tail -40 "$OUT/e2e_update.log"
   ;;
 ne)
-  timeout 570 $E2E --out "$OUT/e2e_ne_fp32" --nproc 2 --steps "$STEPS" --attention-dtype float32 \
-    --variants vanilla vanilla_reordered vanilla_shuffled balance_fbs \
-    > "$OUT/e2e_ne_fp32.log" 2>&1
-  echo "ne rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_ne_fp32.log" | head -20
+  # float32 attention costs ~366 ms of dense time per step (vs ~32 ms bfloat16 flex; the
+  # 1,000-step version of this phase ran out of time after one variant at 638f4a4), so
+  # both dtypes run NE_STEPS (150) steps: compare the distances within each run
+  for dt in bfloat16 float32; do
+    timeout 400 $E2E --out "$OUT/e2e_ne_$dt" --nproc 2 --steps "${NE_STEPS:-150}" \
+      --attention-dtype "$dt" --variants vanilla vanilla_reordered vanilla_shuffled balance_fbs \
+      > "$OUT/e2e_ne_$dt.log" 2>&1
+    echo "ne $dt rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_ne_$dt.log" | head -12
+    rm -rf "$OUT/e2e_ne_$dt/traces" "$OUT"/e2e_ne_"$dt"/*.png
+  done
   ;;
 smfree)
   timeout 150 python -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_check_comm.py \
