@@ -25,17 +25,20 @@ Schedule of training step t (``forward(features_t, next_features=features_{t+1})
 (b) lookahead (skipped on the last step, ``next_features is None``), in two halves.
     In t's forward: id dist of t+1; at the owner, mark t+1's ids whose row t touches
     (collision) and t's ids whose row t+1 touches ("reappear"), and count them per
-    source — device work only. At the start of t's backward (before t's gradients are
-    exchanged): read the counts, one all-to-all sends both masks back to the requesters
-    with the owner's counts appended: every rank then knows the global collision rate
-    and takes the same guardrail decision before any exclusive lookup of t+1. If t+1
-    is prioritized: look up t+1's exclusive rows and start sending them (side
-    communicator, asynchronous). The split puts the two host read-backs where the side
-    stream's work is long finished, instead of before the dense forward is queued: the
-    counts are copied to pinned memory behind an event as soon as they are computed (the
-    read waits for that event only), and the mask exchange, which reads and writes no
-    row, runs before (a) (after it, the exchange would queue behind (a)'s update kernels
-    on the side stream); the split and the exclusive lookup run after (a);
+    source; then one all-to-all sends both masks back to the requesters with the owner's
+    counts appended (a trailer built on the device) — device work only, on the side
+    stream, no host read. At the start of t's backward (before t's gradients are
+    exchanged): one host read of the received trailers and the owner's counts (a pinned
+    copy made in the forward, behind an event): every rank then knows the global
+    collision rate and takes the same guardrail decision before any exclusive lookup of
+    t+1. If t+1 is prioritized: look up t+1's exclusive rows and start sending them
+    (side communicator, asynchronous). The mask exchange reads and writes no row, so it
+    runs as early as its inputs exist; its read waits for side-stream work finished
+    during the dense forward, not for the peer or the GPU's progress through the
+    backward (up to `638f4a4` the counts were read first and the exchange issued in the
+    backward, where the host waited for both). The owner split's groupings are queued
+    before (a) (after it, they would queue behind (a)'s update kernels on the side
+    stream); the gradient split and the exclusive lookup run after (a);
 (c) wait only for t's collision embeddings (sent by the backward of t-1) and t's
     exclusive embeddings (sent by (b) of t-1); merge them into batch-major order.
     Without a prioritized lookahead for t (first step, after :meth:`flush`, after a
@@ -211,11 +214,12 @@ class _Ahead:
 
 @dataclass
 class _PendingAhead:
-    """(b), first half, issued in t's forward: t+1's id dist and the collision masks at
-    the owner. The second half (read the counts, exchange the masks, split, send t+1's
-    exclusive rows) runs in t's backward (:meth:`PrioritizedEmbeddingCollection.
-    _look_ahead_finish`), so its two host read-backs wait for side-stream work long
-    finished instead of stalling the training thread before the dense forward."""
+    """(b), first half, issued in t's forward: t+1's id dist, the collision masks at the
+    owner and their exchange. The second half (read the exchange's trailers, decide,
+    split, send t+1's exclusive rows) runs in t's backward (:meth:`
+    PrioritizedEmbeddingCollection._look_ahead_finish`), so its one host read waits for
+    side-stream work long finished instead of stalling the training thread before the
+    dense forward."""
 
     dist_t: _IdDist
     dn: _IdDist
@@ -224,12 +228,14 @@ class _PendingAhead:
     coll_n: torch.Tensor  # owner: ids of t+1 whose row t touches
     reap_t: torch.Tensor  # owner: ids of t whose row t+1 touches
     counts: torch.Tensor  # [reappear per source | collision per source | coll rows, rows]
-    # CUDA: the counts copied to pinned host memory right after they are computed (side
-    # stream, t's forward) and the event behind that copy: the read in t's backward
-    # waits for that event only, not for whatever the side stream holds by then
-    counts_host: torch.Tensor | None = None
-    counts_ready: Any = None
-    # the mask exchange's result when it ran ahead of (a) in t's backward
+    # the mask exchange, issued in t's forward right after the first half (device work
+    # only: its trailer is built on the device): the masks received (coll_y, reap_y),
+    # and [received trailers | counts] for the host — on CUDA a pinned copy behind
+    # ``host_ready``, so the read in t's backward waits for that event only
+    masks_y: tuple[torch.Tensor, torch.Tensor] | None = None
+    host: torch.Tensor | None = None
+    host_ready: Any = None
+    # the mask exchange's result once read (in t's backward, ahead of (a))
     exchanged: tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]] | None = None
     # owner side, made right after the exchange: t's ids split by t+1's rows (collision,
     # exclusive) and, with the "ahead" update, their row groupings already started
@@ -685,8 +691,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return nxt, split
 
     def _look_ahead_start(self, dist_t: _IdDist, next_features: Features) -> _PendingAhead:
-        """(b), first half: t+1's id dist and the owner's collision masks and counts, all
-        on the device (no read-back)."""
+        """(b), first half: t+1's id dist, the owner's collision masks and counts and
+        their exchange (:meth:`_mask_exchange_start`), all on the device (no read-back)."""
         plan = self.plan
         dn = self.input_dist(next_features)
         values = [next_features[f][0] for f in plan.features]
@@ -714,19 +720,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         counts = torch.cat(
             [reap_per_src, coll_per_src, torch.stack([coll_rows, total_rows]).to(torch.int64)]
         )
-        counts_host, counts_ready = None, None
-        if self._side_stream is not None:
-            counts_host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            counts_host.copy_(counts, non_blocking=True)
-            counts_ready = self._event_on_side()
+        p = _PendingAhead(dist_t, dn, values, lengths, coll_n, reap_t, counts)
+        self._mask_exchange_start(p)
         self._toc("collision_detect", t0)
-        return _PendingAhead(
-            dist_t, dn, values, lengths, coll_n, reap_t, counts, counts_host, counts_ready
-        )
+        return p
 
     def _look_ahead_rest(self, p: _PendingAhead) -> tuple[_Ahead, _GradSplit | None]:
-        """(b), second half: read the counts (one read-back), exchange the masks (the
-        trailer is the second), split t's gradients, send t+1's exclusive rows."""
+        """(b), second half: read the mask exchange's trailers (the one read-back), split
+        t's gradients, send t+1's exclusive rows."""
         dist_t, dn, coll_n = p.dist_t, p.dn, p.coll_n
         keys_n = dn.recv_keys
         values, lengths = p.values, p.lengths
@@ -804,9 +805,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return ahead, split
 
     def _exchange_masks(self, p: _PendingAhead) -> None:
-        """(b)'s mask exchange and its two host reads, stored in ``p.exchanged``. In t's
-        backward it runs on the side stream *before* (a): issued after (a)'s deferred
-        update, the exchange (and so its read) would wait for that update's kernels."""
+        """The read of (b)'s mask exchange (issued in t's forward), stored in
+        ``p.exchanged``, and the owner split. In t's backward it runs on the side stream
+        *before* (a): the owner split's groupings queued after (a)'s deferred update
+        would wait for that update's kernels."""
         t0 = self._tic()
         p.exchanged = self._mask_exchange(p)
         if p.exchanged[2]:  # prioritized: t's gradients will split by t+1's rows
@@ -831,34 +833,30 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             coll_groups, excl_groups = group_rows_start(coll_keys), group_rows_start(excl_keys)
         return coll_keys, excl_keys, coll_groups, excl_groups
 
-    def _mask_exchange(
-        self, p: _PendingAhead
-    ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
-        """Owner -> requesters, one all-to-all: per source s, [reappear mask of s's ids of
-        t | collision mask of s's ids of t+1 | int64 trailer (reappear count of s,
-        collision count of s, collision ids, ids, collision rows, distinct rows of t+1 at
-        this owner)]. Every rank receives every owner's totals, so all ranks compute the
-        same global rate and take the same guardrail decision."""
-        dist_t, dn, coll_n, reap_t = p.dist_t, p.dn, p.coll_n, p.reap_t
-        w, dev = self.comm.world_size, self.device
+    def _mask_exchange_start(self, p: _PendingAhead) -> None:
+        """Owner -> requesters, one all-to-all, issued in t's forward right after (b)'s
+        first half, on the same stream, with no host read: per source s, [reappear mask
+        of s's ids of t | collision mask of s's ids of t+1 | int64 trailer (reappear
+        count of s, collision count of s, collision ids, ids, collision rows, distinct
+        rows of t+1 at this owner)], the trailer built on the device from the counts.
+        Every rank receives every owner's totals, so all ranks compute the same global
+        rate and take the same guardrail decision (:meth:`_mask_exchange`). It reads and
+        writes no row, so it may run this early; its one host read waits in t's backward
+        for an event recorded here."""
+        dist_t, dn, coll_n, reap_t, c = p.dist_t, p.dn, p.coll_n, p.reap_t, p.counts
+        w = self.comm.world_size
         keys_t, keys_n = dist_t.recv_keys, dn.recv_keys
-        # one read-back: counts per source, then (collision rows, distinct rows of t+1);
-        # from the pinned copy made when they were computed where there is one
-        if p.counts_ready is not None and p.counts_host is not None:
-            p.counts_ready.synchronize()
-            own = p.counts_host.tolist()
-        else:
-            own = p.counts.cpu().tolist()
-        coll_rows, total_rows = own[2 * w], own[2 * w + 1]
-        own = own[: 2 * w]
-        totals = [int(sum(own[w:])), int(keys_n.numel()), int(coll_rows), int(total_rows)]
-        trailer = torch.tensor(
-            [[own[s], own[w + s], *totals] for s in range(w)], dtype=torch.int64
-        ).to(dev, non_blocking=True)
+        nt, nn_ = int(keys_t.numel()), int(keys_n.numel())
+        # totals: collision ids, ids (a host int: a fill, no host-to-device copy),
+        # collision rows, distinct rows of t+1
+        totals = torch.cat([c[w : 2 * w].sum().reshape(1), c.new_full((1,), nn_), c[2 * w :]])
+        trailer = torch.cat(
+            [c[:w].reshape(w, 1), c[w : 2 * w].reshape(w, 1), totals.reshape(1, 4).expand(w, 4)],
+            dim=1,
+        ).contiguous()
         x = torch.cat(
             [reap_t.to(torch.uint8), coll_n.to(torch.uint8), trailer.view(torch.uint8).reshape(-1)]
         )
-        nt, nn_ = int(keys_t.numel()), int(keys_n.numel())
         st, sn = _offsets(dist_t.recv_splits), _offsets(dn.recv_splits)
         starts, sizes = [], []
         for s in range(w):
@@ -882,9 +880,30 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             [oy[d] + dist_t.send_splits[d] + dn.send_splits[d] for d in range(w)],
             [_TRAILER_BYTES] * w,
         )
-        tr = tr.view(torch.int64).reshape(w, _TRAILER).cpu()
+        both = torch.cat([tr.view(torch.int64), c])  # [w * _TRAILER received | 2w + 2 own]
+        p.masks_y = (coll_y, reap_y)
+        if self._side_stream is not None:
+            p.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            p.host.copy_(both, non_blocking=True)
+            p.host_ready = self._event_on_side()
+        else:
+            p.host = both
+
+    def _mask_exchange(
+        self, p: _PendingAhead
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, list[int]]]:
+        """The mask exchange's one host read (in t's backward): every owner's trailer
+        and this owner's counts; the guardrail decision from the global totals."""
+        assert p.masks_y is not None and p.host is not None
+        w = self.comm.world_size
+        if p.host_ready is not None:
+            p.host_ready.synchronize()
+        both = p.host.tolist()
+        tr = torch.tensor(both[: w * _TRAILER], dtype=torch.int64).reshape(w, _TRAILER)
+        own = both[w * _TRAILER : w * _TRAILER + 2 * w]
         coll_occ, total_occ = int(tr[:, 2].sum()), int(tr[:, 3].sum())
         decision = total_occ == 0 or coll_occ <= self.max_collision_rate * total_occ
+        coll_y, reap_y = p.masks_y
         return coll_y, reap_y, decision, (tr, own)
 
     # (c) -------------------------------------------------------------------
@@ -918,7 +937,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
-            if not stale and ctx.pending is not None:  # (b)'s mask exchange, ahead of (a)
+            if not stale and ctx.pending is not None:  # (b)'s mask read, ahead of (a)
                 with self._on_side():
                     self._exchange_masks(ctx.pending)
             if self._deferred is not None and self._mutation != "early_exclusive_lookup":
