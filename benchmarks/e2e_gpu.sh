@@ -25,8 +25,9 @@
 #                                      # vanilla, an in-rank reordering, the cross-rank shuffle
 #                                      # and balance_fbs, 150 steps, with the default bfloat16
 #                                      # flex attention and with float32 attention
-#   bash benchmarks/e2e_gpu.sh smfree  # ~6.5 min: the copy engine's device-side completion:
-#                                      # gpu_check_comm.py (bitwise vs NCCL, host and device
+#   bash benchmarks/e2e_gpu.sh smfree  # ~8 min: tier-1 prioritized check (mask exchange now in
+#                                      # the forward), then the copy engine's device-side
+#                                      # completion: gpu_check_comm.py (bitwise vs NCCL, host and device
 #                                      # completion, a mutant that must be CAUGHT), then one
 #                                      # e2e run: vanilla, freescale (host completion),
 #                                      # freescale_device_completion, freescale_nccl_overlap
@@ -152,6 +153,10 @@ ne)
   done
   ;;
 smfree)
+  # the prioritized mask exchange issued in the forward (f8f8ebf): tier 1 on CUDA first
+  timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
+  echo "check_prioritized_cuda rc=$?"; tail -3 "$OUT/verify_prioritized.log"
   timeout 150 python -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_check_comm.py \
     > "$OUT/gpu_check_comm.log" 2>&1
   echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions" \
