@@ -412,6 +412,25 @@ def test_lookahead_must_match_the_next_call():
         emb(_features(3), next_features=None)
 
 
+def test_mask_exchange_is_issued_in_the_forward_and_read_in_the_backward():
+    """(b)'s mask exchange runs with the first half, in t's forward (its result waits in
+    the pending lookahead, not yet read); t's backward reads it once and decides."""
+    emb = PrioritizedEmbeddingCollection(
+        TABLES, Communicator(None), SparseOptimConfig("sgd", lr=0.1), max_collision_rate=1.0
+    )
+    emb.set_step(1)
+    out = emb(_features(1), next_features=_features(2))
+    p = emb._pending
+    assert p is not None and p.masks_y is not None and p.host is not None
+    assert p.exchanged is None  # issued, not read
+    w = emb.comm.world_size
+    assert p.host.numel() == w * 6 + 2 * w + 2  # received trailers | own counts
+    sum(o.sum() for o in out.values()).backward()
+    assert p.exchanged is not None and p.exchanged[2]  # read in the backward: prioritized
+    assert emb._ahead is not None and emb._ahead.prioritized
+    assert emb.pstats.lookaheads == 1
+
+
 def test_eval_forward_flushes_and_backward_is_required():
     emb = PrioritizedEmbeddingCollection(
         TABLES, Communicator(None), SparseOptimConfig("adam", lr=0.1)
