@@ -165,6 +165,9 @@ smfree)
     --variants vanilla freescale freescale_device_completion freescale_nccl_overlap \
     > "$OUT/e2e_smfree.log" 2>&1
   echo "smfree e2e rc=$?"; grep -E "^\| " "$OUT/e2e_smfree/e2e.md" | cut -c1-220
+  python -c "import json,sys; [print(r['variant'], r['activity'].get('copy_engine_completion'), \
+r['activity'].get('copy_engine_device_completions')) for r in json.load(open(sys.argv[1]))['rows']]" \
+    "$OUT/e2e_smfree/e2e.json"
   rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
   ;;
 hostt)

@@ -248,6 +248,7 @@ def run_variant(
             summary = tr.train()
         finally:
             tr.close()
+    side = getattr(tr.sparse, "side_comm", None)
     pstats = getattr(tr.sparse, "pstats", None)
     ps = pstats.as_dict() if pstats is not None else {}
     local = torch.tensor(
@@ -268,6 +269,9 @@ def run_variant(
         "samples_moved": int(balance.samples_moved_total) if balance else 0,
         "bytes_moved": int(balance.bytes_moved_total) if balance else 0,
         "steps_balanced": int(balance.steps_balanced) if balance else 0,
+        # the copy engine's completion protocol, when it carried the overlapped traffic
+        "copy_engine_completion": getattr(side, "completion", None),
+        "copy_engine_device_completions": int(getattr(side, "device_completions", 0)),
     }
     stage_ms = dict(summary.get("stage_ms", {}))
     curve = [
