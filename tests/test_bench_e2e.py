@@ -18,13 +18,10 @@ import os
 
 import pytest
 
-from freescale.comm.copy_engine import COMPLETION_ENV, CopyEngineConfig
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
 from freescale.pipeline.bench_e2e import (
-    _COMPLETION,
     DIAGNOSTIC_VARIANTS,
     VARIANTS,
-    _completion_env,
     _variant_cfg,
     headline,
     merge_results,
@@ -169,11 +166,10 @@ def test_e2e_report_numerics(pool2, tmp_path):
         merge_results(on_disk, other)
 
 
-def test_diagnostic_variants_force_one_setting_only(monkeypatch):
+def test_diagnostic_variants_force_one_setting_only():
     """The sparse-update diagnostics differ from their variant only in
-    ``sparse_update``, the completion diagnostic only in the copy engine's completion
-    (set through its environment variable while the trainer runs); none runs unless
-    named."""
+    ``sparse_update``, the completion diagnostic only in ``copy_engine_completion``;
+    none runs unless named."""
     base = TrainConfig()
     assert not set(DIAGNOSTIC_VARIANTS) & set(VARIANTS)
     pairs = {
@@ -188,13 +184,5 @@ def test_diagnostic_variants_force_one_setting_only(monkeypatch):
         assert got == dataclasses.replace(ref, sparse_update=update, log_path=got.log_path)
     got = _variant_cfg(base, "freescale_device_completion", "prioritized")
     ref = _variant_cfg(base, "freescale", "prioritized")
-    assert got == dataclasses.replace(ref, log_path=got.log_path)
-    assert _COMPLETION == {"freescale_device_completion": "device"}
-    monkeypatch.setenv(COMPLETION_ENV, "host")
-    with _completion_env("device"):
-        assert CopyEngineConfig().resolved_completion() == "device"
-    assert os.environ[COMPLETION_ENV] == "host"
-    monkeypatch.delenv(COMPLETION_ENV)
-    with _completion_env(None):
-        assert CopyEngineConfig().resolved_completion() == "host"
-    assert COMPLETION_ENV not in os.environ
+    assert got.copy_engine_completion == "device" and ref.copy_engine_completion == "auto"
+    assert got == dataclasses.replace(ref, copy_engine_completion="device", log_path=got.log_path)

@@ -99,3 +99,6 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     assert cfg.model.attention_dtype == "auto" and cfg.sparse_update == "auto"
     cfg, _ = parse("--attention-dtype", "float32", "--sparse-update", "ahead")
     assert cfg.model.attention_dtype == "float32" and cfg.sparse_update == "ahead"
+    assert cfg.copy_engine_completion == "auto"
+    cfg, _ = parse("--mode", "freescale", "--copy-engine-completion", "device")
+    assert cfg.copy_engine_completion == "device"

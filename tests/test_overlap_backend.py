@@ -8,7 +8,6 @@ be caught by the same comparison (mutation)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -16,20 +15,14 @@ import torch
 from freescale.balance.hook import BalanceHook
 from freescale.balance.planner import BalanceConfig
 from freescale.comm.base import Awaitable
-from freescale.comm.copy_engine import COMPLETION_ENV
 from freescale.pipeline.trainer import Trainer
 from test_bench_e2e import e2e_config
 from test_trainer import _full_tables, _state
 
 
-def _run(rank, world, cfg, corrupt=False, balance=False, completion=None):
+def _run(rank, world, cfg, corrupt=False, balance=False):
     hooks = [BalanceHook(BalanceConfig(partitioner="fbs"))] if balance else []
-    if completion is not None:  # the copy engine's completion protocol (its env default)
-        os.environ[COMPLETION_ENV] = completion
-    try:
-        tr = Trainer(cfg, hooks=hooks)
-    finally:
-        os.environ.pop(COMPLETION_ENV, None)
+    tr = Trainer(cfg, hooks=hooks)
     if corrupt:  # mutation: the SM-free backend delivers a wrong exclusive payload
         side = tr.sparse.side_comm
         orig = side.all_to_all_v
@@ -68,8 +61,10 @@ def _equal(a, b) -> bool:
 def test_overlapped_traffic_on_smfree_backends_is_exact(pool2, mode, backend, completion):
     base = dataclasses.replace(e2e_config(), eval_every=0, timing="sync", profile_steps=0)
     van = pool2.run(_run, base)
-    cfg = dataclasses.replace(base, mode=mode, overlap_backend=backend)
-    res = pool2.run(_run, cfg, False, False, completion)
+    cfg = dataclasses.replace(
+        base, mode=mode, overlap_backend=backend, copy_engine_completion=completion or "auto"
+    )
+    res = pool2.run(_run, cfg)
     assert _equal(res, van), f"{mode} over {backend} differs from vanilla"
     s = res[0][1]
     want = "host_staged" if backend == "auto" else backend  # auto on CPU: host-staged

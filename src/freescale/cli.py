@@ -102,6 +102,14 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "boundaries) or events (CUDA events read a step later; for throughput)",
     )
     p.add_argument(
+        "--copy-engine-completion",
+        choices=["auto", "host", "device"],
+        default="auto",
+        help="how the copy engine (SM-free overlap backend) completes a collective: host "
+        "(its worker waits for the GPU) or device (CUDA inter-process events, no host "
+        "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else host. Bit-identical",
+    )
+    p.add_argument(
         "--sparse-update",
         choices=["auto", "sync", "padded", "ahead"],
         default="auto",
@@ -231,6 +239,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         max_collision_rate=args.max_collision_rate,
         timing=args.timing,
         sparse_update=getattr(args, "sparse_update", "auto"),
+        copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,

@@ -148,6 +148,11 @@ class TrainConfig:
     # (NCCL on GPU); "auto" = SM-free, chosen by topology (comm.select_backend: copy
     # engine inside one node on CUDA, host-staged otherwise); or one by name
     overlap_backend: Literal["default", "auto", "host_staged", "copy_engine"] = "default"
+    # how the copy engine completes its collectives (comm.CopyEngineConfig.completion):
+    # "host" = its worker waits on the host for the GPU, "device" = through CUDA
+    # inter-process events, no host wait; "auto" = $FREESCALE_COPY_ENGINE_COMPLETION,
+    # else host. Bit-identical either way
+    copy_engine_completion: Literal["auto", "host", "device"] = "auto"
     # per-stage timing: "sync" synchronises the device at every stage boundary (exact
     # stage times, but no overlap across stages); "events" records CUDA events instead
     # and reads them one step later (no host sync on the compute stream for timing; the
@@ -190,6 +195,11 @@ class TrainConfig:
             raise ValueError(
                 "overlap_backend must be default | auto | host_staged | copy_engine, "
                 f"got {self.overlap_backend!r}"
+            )
+        if self.copy_engine_completion not in ("auto", "host", "device"):
+            raise ValueError(
+                "copy_engine_completion must be auto | host | device, "
+                f"got {self.copy_engine_completion!r}"
             )
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")

@@ -32,8 +32,9 @@ Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variant
 variant with the owner's sparse update forced (``TrainConfig.sparse_update``; bitwise
 the same parameters), to compare the update implementations in one run;
 ``freescale_device_completion``: freescale with the copy engine's device-side completion
-(``CopyEngineConfig.completion="device"``: no host wait for the GPU in its worker; same
-bits), next to ``freescale`` (host completion) in one run.
+(``TrainConfig.copy_engine_completion="device"``: no host wait for the GPU in its worker;
+same bits), next to ``freescale`` (host completion unless the base config says
+otherwise) in one run.
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -53,7 +54,6 @@ per stage), on CPU with the default.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -62,7 +62,6 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -97,7 +96,7 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_padded_update",
     "freescale_device_completion",
 )
-# diagnostic variant -> the copy engine's completion it forces (CopyEngineConfig.completion)
+# diagnostic variant -> the copy engine's completion it forces (TrainConfig.copy_engine_completion)
 _COMPLETION = {"freescale_device_completion": "device"}
 # diagnostic variant -> the sparse update it forces (TrainConfig.sparse_update)
 _UPDATE = {
@@ -195,27 +194,8 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         log_path=log,
         overlap_backend=overlap,
         sparse_update=_UPDATE.get(variant, base.sparse_update),  # type: ignore[arg-type]
+        copy_engine_completion=_COMPLETION.get(variant, base.copy_engine_completion),  # type: ignore[arg-type]
     )
-
-
-@contextlib.contextmanager
-def _completion_env(value: str | None) -> Iterator[None]:
-    """``FREESCALE_COPY_ENGINE_COMPLETION`` set to ``value`` (None: unchanged) while the
-    trainer builds its copy-engine communicators."""
-    from ..comm.copy_engine import COMPLETION_ENV
-
-    if value is None:
-        yield
-        return
-    old = os.environ.get(COMPLETION_ENV)
-    os.environ[COMPLETION_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(COMPLETION_ENV, None)
-        else:
-            os.environ[COMPLETION_ENV] = old
 
 
 def run_variant(
@@ -238,16 +218,13 @@ def run_variant(
     if variant in ("vanilla_reordered", "vanilla_reordered_b"):
         hooks.append(_Reorder(salt=int(variant.endswith("_b"))))
     hooks.append(rec)
-    with _completion_env(_COMPLETION.get(variant)):  # read when communicators are made
-        tr = Trainer(cfg, hooks=hooks, ctx=ctx)
-        if tr.world_size != world or tr.rank != rank:
-            raise RuntimeError(
-                f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}"
-            )
-        try:
-            summary = tr.train()
-        finally:
-            tr.close()
+    tr = Trainer(cfg, hooks=hooks, ctx=ctx)
+    if tr.world_size != world or tr.rank != rank:
+        raise RuntimeError(f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}")
+    try:
+        summary = tr.train()
+    finally:
+        tr.close()
     side = getattr(tr.sparse, "side_comm", None)
     pstats = getattr(tr.sparse, "pstats", None)
     ps = pstats.as_dict() if pstats is not None else {}

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
 from .data_stage import DataStageThread, PreparedBatch
 from .distributed import RankContext, check_config_hash, init_distributed
+
+if TYPE_CHECKING:
+    from ..comm.copy_engine import SMFreeConfig
 
 __all__ = ["Trainer", "TrainerHook", "make_source", "StageTimes", "InputRejected"]
 
@@ -230,7 +233,15 @@ class Trainer:
         self.overlap_backend_name = backend
         if self.cfg.mode == "vanilla":
             return None
-        return create_communicator(backend, name=f"overlap-{backend}")
+        return create_communicator(backend, name=f"overlap-{backend}", config=self.smfree_config())
+
+    def smfree_config(self) -> SMFreeConfig:
+        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion);
+        used for the overlapped traffic and by hooks that make SM-free communicators."""
+        from ..comm import CopyEngineConfig, SMFreeConfig
+
+        completion = self.cfg.copy_engine_completion
+        return SMFreeConfig(copy_engine=CopyEngineConfig(completion=completion))
 
     def comm_bytes_by_backend(self) -> dict[str, int]:
         """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
