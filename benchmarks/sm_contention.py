@@ -114,6 +114,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn-mean-len", type=int, default=2048)
     p.add_argument("--ce-streams", type=int, default=1, help="copy-engine side streams")
     p.add_argument(
+        "--ce-completion",
+        choices=["auto", "host", "device"],
+        default="auto",
+        help="copy-engine completion (CopyEngineConfig.completion; auto follows "
+        "FREESCALE_COPY_ENGINE_COMPLETION, else host)",
+    )
+    p.add_argument(
         "--time-budget-s", type=float, default=140.0, help="measurement cells start only before it"
     )
     p.add_argument("--no-probe", action="store_true", help="skip the NCCL zero-CTA probe")
@@ -520,7 +527,10 @@ class Bench:
         nccl_group = dist.new_group(backend="nccl")
         self.comms["nccl"] = Communicator(nccl_group, "nccl")
         ce = CopyEngineCommunicator.create(
-            name="ce", config=CopyEngineConfig(copy_streams=a.ce_streams, timeout_s=120)
+            name="ce",
+            config=CopyEngineConfig(
+                copy_streams=a.ce_streams, timeout_s=120, completion=a.ce_completion
+            ),
         )
         self.comms["copy_engine"] = self.comms["copy_engine_contiguous"] = ce
         self.comms["host_staged"] = HostStagedCommunicator.create(
@@ -1078,6 +1088,8 @@ def bench_main(a: argparse.Namespace) -> int:
             "skipped": bench.skipped,
             "copy_engine_peer_memory": bench.comms["copy_engine"].peer_memory,
             "copy_engine_peer_memory_note": bench.comms["copy_engine"].peer_memory_note,
+            "copy_engine_completion": bench.comms["copy_engine"].completion,
+            "copy_engine_device_completions": bench.comms["copy_engine"].device_completions,
             "seconds": time.monotonic() - bench.t_start,
             "headline": headline(
                 measured["rows"], measured["bandwidth_alone"], int(a.workload_bytes)
