@@ -49,7 +49,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src
 STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
-E2E="python -m freescale.cli bench e2e --zipf-s 0.6"
+# E2E_ARGS: extra flags for every bench e2e call (e.g. "--copy-engine-completion device")
+E2E="python -m freescale.cli bench e2e --zipf-s 0.6 ${E2E_ARGS:-}"
 case "${1:-}" in
 first)
   bash "$0" verify
