@@ -42,7 +42,10 @@ what the rows and the fit use. UIH-length sweep: overlap 0, ids Zipf(``--length-
 over the whole table (popularity ranks permuted over rows), median = max UIH / 4: the
 collision rate is then natural and rises with UIH length.
 
-Also per point: bytes and calls per collective and step (sent to peers, per rank);
+Also per point: ``issue_skew_ms`` per collective (mean over calls of the spread
+between the ranks' host issue times, CLOCK_MONOTONIC, one host): how late the last rank
+issued a collective the others may already wait for on the device;
+bytes and calls per collective and step (sent to peers, per rank);
 the floor = the sum of single NCCL all-to-alls, each alone, of the sizes that must stay
 blocking (collision ids int64, collision embeddings, collision gradients, as measured at
 that point); the vanilla embedding all-to-all's bandwidth next to a plain all-to-all
@@ -116,9 +119,13 @@ class WaitProbe:
         self.events: list[tuple[str, Any, Any]] = []
         self.host: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        # host time (CLOCK_MONOTONIC, comparable across the processes of one host) at
+        # which this rank issued each collective, per name, in call order
+        self.issued: dict[str, list[float]] = defaultdict(list)
 
     def start(self) -> None:
         self.events, self.host, self.counts = [], defaultdict(float), defaultdict(int)
+        self.issued = defaultdict(list)
         self.active = True
 
     def stop(self) -> None:
@@ -173,6 +180,8 @@ class ProbedComm(Communicator):
         self.probe = probe
 
     def all_to_all_v(self, tensor, input_splits, output_splits, name=""):  # type: ignore[override]
+        if self.probe.active:
+            self.probe.issued[name].append(time.monotonic())
         aw = super().all_to_all_v(tensor, input_splits, output_splits, name=name)
         return _ProbedAwaitable(aw, name, self.probe)
 
@@ -515,6 +524,7 @@ def run_mode(
         "exposed_event_ms": sum(v for k, v in waits.items() if k.startswith("event:")),
         "waits_ms": waits,
         "wait_calls_per_step": {k: c / m for k, c in probe.counts.items()},
+        "issued": {k: list(v) for k, v in probe.issued.items()},  # summarised by rank_agg
     }
     if mod is not None:
         per: dict[str, dict[str, float]] = {}
@@ -539,6 +549,23 @@ def run_mode(
     return out
 
 
+def issue_skew_ms(issued: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Per collective name, the mean over calls of (last rank's issue time - first
+    rank's) in ms: how long the first rank to issue a blocking collective waits for the
+    last one at best — host lateness that a compute-stream wait reports as
+    communication. Names whose call counts differ between ranks are left out."""
+    out: dict[str, float] = {}
+    names = set().union(*(d.keys() for d in issued)) if issued else set()
+    for name in sorted(names):
+        lists = [d.get(name, []) for d in issued]
+        n = len(lists[0])
+        if n == 0 or any(len(x) != n for x in lists):
+            continue
+        spread = (max(x[i] for x in lists) - min(x[i] for x in lists) for i in range(n))
+        out[name] = 1e3 * sum(spread) / n
+    return out
+
+
 def rank_agg(x: dict[str, Any]) -> dict[str, Any]:
     """Gather one rank-local result dict; keep rank 0's, add max over ranks of the
     timing fields (the step is as slow as its slowest rank)."""
@@ -546,6 +573,8 @@ def rank_agg(x: dict[str, Any]) -> dict[str, Any]:
     allv: list[Any] = [None] * w
     dist.all_gather_object(allv, x)
     out = dict(allv[0])
+    out.pop("issued", None)
+    out["issue_skew_ms"] = issue_skew_ms([v.get("issued", {}) for v in allv])
     for k in ("step_ms", "emb_fwd_ms", "emb_bwd_ms", "exposed_ms"):
         out[k + "_per_rank"] = [v[k] for v in allv]
         out[k + "_max"] = max(v[k] for v in allv)
