@@ -116,8 +116,9 @@ class BalanceHook(TrainerHook):
                 # so do the balancer's metadata all-gathers and sample moves
                 from freescale.comm import create_communicator
 
-                cfg = trainer.smfree_config() if hasattr(trainer, "smfree_config") else None
-                self.comm = create_communicator(smfree, name=f"balance-{smfree}", config=cfg)
+                self.comm = create_communicator(
+                    smfree, name=f"balance-{smfree}", config=trainer.smfree_config()
+                )
             elif trainer.world_size > 1:
                 group = dist.new_group(backend=self.backend)
                 self.comm = Communicator(group, name="balance")
