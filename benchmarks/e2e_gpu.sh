@@ -31,6 +31,8 @@
 #                                      # completion, a mutant that must be CAUGHT), then one
 #                                      # e2e run: vanilla, freescale (host completion),
 #                                      # freescale_device_completion, freescale_nccl_overlap
+#   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
+#   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
 #   bash benchmarks/e2e_gpu.sh hostt   # ~1.5 min: host wall time per function and step
 #                                      # (benchmarks/host_time), vanilla and freescale
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
@@ -153,7 +155,10 @@ ne)
     rm -rf "$OUT/e2e_ne_$dt/traces" "$OUT"/e2e_ne_"$dt"/*.png
   done
   ;;
-smfree)
+smcheck|smfree)
+  [ "$1" = smfree ] && exec bash "$0" smcheck_then_e2e
+  ;;&
+smcheck|smcheck_then_e2e)
   # the prioritized mask exchange issued in the forward (f8f8ebf): tier 1 on CUDA first
   timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
@@ -162,6 +167,9 @@ smfree)
     > "$OUT/gpu_check_comm.log" 2>&1
   echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions" \
     "$OUT/gpu_check_comm.log" | head -20; grep -c CAUGHT "$OUT/gpu_check_comm.log"
+  [ "$1" = smcheck ] && exit 0
+  ;;&
+smcheck_then_e2e|sme2e)
   timeout 420 $E2E --out "$OUT/e2e_smfree" --nproc 2 --steps "${SMFREE_STEPS:-600}" \
     --variants vanilla freescale freescale_device_completion freescale_nccl_overlap \
     > "$OUT/e2e_smfree.log" 2>&1
@@ -189,5 +197,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|hostt|ablate" >&2; exit 2 ;;
 esac
