@@ -29,8 +29,8 @@
 #                                      # the forward), then the copy engine's device-side
 #                                      # completion: gpu_check_comm.py (bitwise vs NCCL, host and device
 #                                      # completion, a mutant that must be CAUGHT), then one
-#                                      # e2e run: vanilla, freescale (host completion),
-#                                      # freescale_device_completion, freescale_nccl_overlap
+#                                      # e2e run: vanilla, freescale (device completion, the default),
+#                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
 #   bash benchmarks/e2e_gpu.sh hostt   # ~1.5 min: host wall time per function and step
@@ -171,7 +171,7 @@ smcheck|smcheck_then_e2e)
   ;;&
 smcheck_then_e2e|sme2e)
   timeout 420 $E2E --out "$OUT/e2e_smfree" --nproc 2 --steps "${SMFREE_STEPS:-600}" \
-    --variants vanilla freescale freescale_device_completion freescale_nccl_overlap \
+    --variants vanilla freescale freescale_host_completion freescale_nccl_overlap \
     > "$OUT/e2e_smfree.log" 2>&1
   echo "smfree e2e rc=$?"; grep -E "^\| " "$OUT/e2e_smfree/e2e.md" | cut -c1-220
   python -c "import json,sys; [print(r['variant'], r['activity'].get('copy_engine_completion'), \

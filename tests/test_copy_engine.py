@@ -257,12 +257,12 @@ def test_copy_engine_config_validation() -> None:
 
 
 def test_copy_engine_completion_resolution(monkeypatch) -> None:
-    """``auto`` follows FREESCALE_COPY_ENGINE_COMPLETION, else host; explicit values win."""
+    """``auto`` follows FREESCALE_COPY_ENGINE_COMPLETION, else device; explicit values win."""
     monkeypatch.delenv(COMPLETION_ENV, raising=False)
-    assert CopyEngineConfig().resolved_completion() == "host"
-    monkeypatch.setenv(COMPLETION_ENV, "device")
     assert CopyEngineConfig().resolved_completion() == "device"
-    assert CopyEngineConfig(completion="host").resolved_completion() == "host"
+    monkeypatch.setenv(COMPLETION_ENV, "host")
+    assert CopyEngineConfig().resolved_completion() == "host"
+    assert CopyEngineConfig(completion="device").resolved_completion() == "device"
     monkeypatch.setenv(COMPLETION_ENV, "sometimes")
     with pytest.raises(ValueError, match=COMPLETION_ENV):
         CopyEngineConfig().resolved_completion()

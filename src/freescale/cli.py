@@ -107,7 +107,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="how the copy engine (SM-free overlap backend) completes a collective: host "
         "(its worker waits for the GPU) or device (CUDA inter-process events, no host "
-        "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else host. Bit-identical",
+        "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else device. Bit-identical",
     )
     p.add_argument(
         "--sparse-update",

@@ -151,7 +151,7 @@ class TrainConfig:
     # how the copy engine completes its collectives (comm.CopyEngineConfig.completion):
     # "host" = its worker waits on the host for the GPU, "device" = through CUDA
     # inter-process events, no host wait; "auto" = $FREESCALE_COPY_ENGINE_COMPLETION,
-    # else host. Bit-identical either way
+    # else device. Bit-identical either way
     copy_engine_completion: Literal["auto", "host", "device"] = "auto"
     # per-stage timing: "sync" synchronises the device at every stage boundary (exact
     # stage times, but no overlap across stages); "events" records CUDA events instead

@@ -378,9 +378,9 @@ class CopyEngineConfig:
       peers before the completion all-reduce (and for a receive buffer to be free before
       the header exchange); ``device`` = those waits are device-side, through CUDA
       inter-process events, so neither the worker nor ``wait()`` ever waits for the GPU;
-      ``auto`` = the ``FREESCALE_COPY_ENGINE_COMPLETION`` variable if set, else ``host``
-      (``device`` is not yet measured on GPUs). On CPU both run the same protocol (the
-      copies are synchronous there).
+      ``auto`` = the ``FREESCALE_COPY_ENGINE_COMPLETION`` variable if set, else ``device``
+      (bitwise equal to host completion and faster on 2 H200: BENCHMARKS.md, "SM-free
+      completion"). On CPU both run the same protocol (the copies are synchronous there).
     """
 
     peer_memory: str = "auto"
@@ -415,9 +415,9 @@ class CopyEngineConfig:
         if self.completion != "auto":
             return self.completion
         env = os.environ.get(COMPLETION_ENV, "").strip().lower()
-        if env in ("", "auto", "host"):
+        if env == "host":
             return "host"
-        if env == "device":
+        if env in ("", "auto", "device"):
             return "device"
         raise ValueError(f"{COMPLETION_ENV}={env!r}: use host, device or auto")
 

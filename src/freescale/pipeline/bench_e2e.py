@@ -31,10 +31,10 @@ Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variant
 ``vanilla_sync_update``, ``vanilla_padded_update``, ``freescale_padded_update``: the
 variant with the owner's sparse update forced (``TrainConfig.sparse_update``; bitwise
 the same parameters), to compare the update implementations in one run;
-``freescale_device_completion``: freescale with the copy engine's device-side completion
-(``TrainConfig.copy_engine_completion="device"``: no host wait for the GPU in its worker;
-same bits), next to ``freescale`` (host completion unless the base config says
-otherwise) in one run.
+``freescale_host_completion``: freescale with the copy engine's host-side completion
+(``TrainConfig.copy_engine_completion="host"``: its worker host-waits for the GPU; same
+bits), next to ``freescale`` (device completion unless the base config or the
+environment says otherwise) in one run.
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -94,10 +94,10 @@ DIAGNOSTIC_VARIANTS = (
     "vanilla_sync_update",
     "vanilla_padded_update",
     "freescale_padded_update",
-    "freescale_device_completion",
+    "freescale_host_completion",
 )
 # diagnostic variant -> the copy engine's completion it forces (TrainConfig.copy_engine_completion)
-_COMPLETION = {"freescale_device_completion": "device"}
+_COMPLETION = {"freescale_host_completion": "host"}
 # diagnostic variant -> the sparse update it forces (TrainConfig.sparse_update)
 _UPDATE = {
     "vanilla_sync_update": "sync",
@@ -118,7 +118,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_sync_update": ("vanilla", None),
     "vanilla_padded_update": ("vanilla", None),
     "freescale_padded_update": ("prioritized", "fbs"),
-    "freescale_device_completion": ("prioritized", "fbs"),
+    "freescale_host_completion": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
