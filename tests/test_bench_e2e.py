@@ -177,7 +177,9 @@ def test_diagnostic_variants_force_one_setting_only():
         "vanilla_padded_update": ("vanilla", "vanilla", "padded"),
         "freescale_padded_update": ("freescale", "prioritized", "padded"),
     }
-    assert set(pairs) | {"freescale_host_completion"} == set(DIAGNOSTIC_VARIANTS)
+    assert set(pairs) | {"freescale_host_completion", "freescale_late_prepare"} == set(
+        DIAGNOSTIC_VARIANTS
+    )
     for diag, (twin, mode, update) in pairs.items():
         got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
         assert got.sparse_update == update and ref.sparse_update == base.sparse_update
@@ -186,3 +188,6 @@ def test_diagnostic_variants_force_one_setting_only():
     ref = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_completion == "host" and ref.copy_engine_completion == "auto"
     assert got == dataclasses.replace(ref, copy_engine_completion="host", log_path=got.log_path)
+    got = _variant_cfg(base, "freescale_late_prepare", "prioritized")
+    assert got.early_prepare is False and ref.early_prepare is True
+    assert got == dataclasses.replace(ref, early_prepare=False, log_path=got.log_path)

@@ -192,9 +192,12 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
     return bad
 
 
-def assert_really_active(res: list[dict], steps: int) -> None:
+def assert_really_active(res: list[dict], steps: int, prepared: bool = True) -> None:
     for r in res:
         ps = r["pstats"]
+        # the Trainer calls prepare_backward before every loss.backward(); on CPU the mask
+        # exchange is always on the host by then, so every backward is prepared early
+        assert ps["prepared_steps"] == (steps if prepared else 0), ps
         assert ps["prioritized_steps"] == steps - 2, ps  # all but the first and the last
         assert ps["sync_steps"] == 2, ps
         assert ps["fallbacks"] == 0, ps
@@ -249,6 +252,18 @@ def test_random_side_delays_change_nothing(pool2):
     pri = run(pool2, cfg, "prioritized", max_collision_rate=1.0, debug_delay_s=0.004)
     assert differences(pri, van) == []
     assert_really_active(pri, 40)
+
+
+def test_late_prepare_is_exact_too(pool2):
+    """``early_prepare=False``: ``prepare_backward`` does nothing and the embedding
+    backward does the gradient-free part itself (mask read, deferred update, t+1's
+    exclusive rows), when the dense backward reaches it. Same bits as vanilla (and as the
+    early-prepared default, which the other tier-1 tests check)."""
+    cfg = config("adam", 40)
+    van = run(pool2, cfg)
+    late = run(pool2, cfg, "prioritized", max_collision_rate=1.0, early_prepare=False)
+    assert differences(late, van) == []
+    assert_really_active(late, 40, prepared=False)
 
 
 def test_sparse_update_ahead_is_exact_and_used(pool2):

@@ -143,6 +143,11 @@ class TrainConfig:
     # (DESIGN.md 2.2: only collision rows on the critical path; bitwise equal)
     mode: Literal["vanilla", "sdd", "prioritized"] = "vanilla"
     max_collision_rate: float = 0.9  # prioritized guardrail (occurrence share)
+    # prioritized: run the gradient-free part of the embedding backward (mask read, the
+    # deferred update, the next step's exclusive rows) between the forward and
+    # loss.backward() instead of when the dense backward reaches the embeddings
+    # (PrioritizedEmbeddingCollection.prepare_backward). Bit-identical either way
+    early_prepare: bool = True
     # backend of the overlapped embedding traffic (sdd's ids ahead; prioritized's
     # exclusive embeddings and gradients): "default" = a side group of the main backend
     # (NCCL on GPU); "auto" = SM-free, chosen by topology (comm.select_backend: copy

@@ -158,6 +158,9 @@ class PrioritizedStats:
     global (identical on every rank) sums over lookaheads of the distinct rows (``_rows``)
     and occurrences (``_ids``) of t+1 at the owners. ``deferred_rows`` / ``deferred_ids``:
     rows updated and gradients applied by deferred updates on *this* owner.
+    ``prepared_steps``: backwards whose gradient-free part ran early, in
+    :meth:`PrioritizedEmbeddingCollection.prepare_backward` (rank-local: it runs where the
+    mask exchange had already reached the host).
     ``history``: per lookahead ``(step t+1, distinct share, occurrence share,
     prioritized)``.
     """
@@ -175,6 +178,7 @@ class PrioritizedStats:
     next_ids: int = 0
     deferred_rows: int = 0
     deferred_ids: int = 0
+    prepared_steps: int = 0
     history: list[tuple[int, float, float, bool]] = field(default_factory=list)
 
     def collision_rate(self) -> dict[str, float]:
@@ -274,6 +278,11 @@ class _StepCtx:
     stream: Any = None
     done: bool = False
     pending: _PendingAhead | None = None  # t+1's lookahead, finished in t's backward
+    # prepare_backward ran the gradient-free part of t's backward (mask read, (a), (b)'s
+    # second half) already; the compute stream waits for this side-stream event in the
+    # backward, before it touches a row (None: nothing to wait for, or on CPU)
+    prepared: bool = False
+    prepared_event: Any = None
 
 
 @dataclass
@@ -356,7 +365,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     share of its id occurrences that hit rows of step t exceeds it), ``side_comm`` (the
     communicator of the overlapped traffic; default a new group over ``comm``'s ranks),
     ``side_streams`` (CUDA side stream; default on for CUDA), ``debug_delay_s`` (random
-    delays on the side work), ``_mutation`` (test-only, one of :data:`MUTATIONS`).
+    delays on the side work), ``early_prepare`` (default on: :meth:`prepare_backward` runs
+    the gradient-free part of the backward early; off: it does nothing and the backward
+    does it all), ``_mutation`` (test-only, one of :data:`MUTATIONS`).
     """
 
     uses_next_features = True
@@ -390,9 +401,11 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         side_comm: Communicator | None = None,
         side_streams: bool | None = None,
         debug_delay_s: float = 0.0,
+        early_prepare: bool = True,
         _mutation: str | None = None,
     ) -> None:
         super().__init__(tables, comm, optim, device=device, dtype=dtype, seed=seed, timing=timing)
+        self.early_prepare = bool(early_prepare)
         if _mutation is not None and _mutation not in MUTATIONS:
             raise ValueError(f"unknown mutation '{_mutation}' (one of {MUTATIONS})")
         if not 0.0 <= max_collision_rate <= 1.0:
@@ -928,6 +941,44 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return merged
 
     # backward ---------------------------------------------------------------
+    def prepare_backward(self, block: bool = False) -> bool:
+        """Explicit hook between step t's forward and ``loss.backward()`` (the trainer
+        calls it): run now the part of t's backward that needs no gradient of t — the
+        mask exchange's host read, (a) the deferred update of t-1, (b)'s second half
+        (the split, t+1's exclusive rows sent) — so that when the dense backward reaches
+        the embeddings the autograd thread only splits and sends t's gradients (the
+        collision-gradient all-to-all is issued that much sooner). Without ``block`` it
+        runs only if the mask exchange has already reached the host (an event query,
+        never a wait: on CUDA a host far ahead of the GPU leaves it to the backward);
+        otherwise, and if never called, the backward does it. The same operations in the
+        same order on every stream and communicator either way (bitwise the same
+        results); the compute stream waits for (a) in the backward, not here, so the
+        dense backward is not held up. Rank-local (issues no collective out of order:
+        the side group's next operation is t+1's exclusive rows in both places).
+        Returns whether it ran now."""
+        ctx = self._open
+        if not self.early_prepare or ctx is None or ctx.done or ctx.prepared:
+            return False
+        if ctx.generation != self._generation:
+            return False
+        p = ctx.pending
+        if p is not None and not block and p.host_ready is not None:
+            if not p.host_ready.query():
+                return False
+        with self._on_side():
+            if p is not None:  # the mask read and the owner split, ahead of (a)
+                self._exchange_masks(p)
+            if self._deferred is not None and self._mutation != "early_exclusive_lookup":
+                self._apply_deferred()  # (a)
+        ctx.prepared_event = self._event_on_side()
+        if p is not None:  # (b), second half
+            ctx.ahead, ctx.split = self._look_ahead_finish(p, ctx.stream)
+            ctx.pending = None
+            self._ahead, self._pending = ctx.ahead, None
+        ctx.prepared = True
+        self.pstats.prepared_steps += 1
+        return True
+
     def _backward_of_step(self, ctx: _StepCtx, grad: torch.Tensor) -> None:
         stale = ctx.generation != self._generation or ctx.done
         ctx.done = True
@@ -937,6 +988,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
+            if ctx.prepared_event is not None:  # (a) before this stream touches a row
+                ctx.stream.wait_event(ctx.prepared_event)
             if not stale and ctx.pending is not None:  # (b)'s mask read, ahead of (a)
                 with self._on_side():
                     self._exchange_masks(ctx.pending)

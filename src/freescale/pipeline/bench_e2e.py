@@ -34,7 +34,10 @@ the same parameters), to compare the update implementations in one run;
 ``freescale_host_completion``: freescale with the copy engine's host-side completion
 (``TrainConfig.copy_engine_completion="host"``: its worker host-waits for the GPU; same
 bits), next to ``freescale`` (device completion unless the base config or the
-environment says otherwise) in one run.
+environment says otherwise) in one run; ``freescale_late_prepare``: freescale with
+``TrainConfig.early_prepare=False`` (the gradient-free part of the prioritized backward
+runs when the dense backward reaches the embeddings, as before ``prepare_backward``;
+same bits).
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -95,6 +98,7 @@ DIAGNOSTIC_VARIANTS = (
     "vanilla_padded_update",
     "freescale_padded_update",
     "freescale_host_completion",
+    "freescale_late_prepare",
 )
 # diagnostic variant -> the copy engine's completion it forces (TrainConfig.copy_engine_completion)
 _COMPLETION = {"freescale_host_completion": "host"}
@@ -119,6 +123,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_padded_update": ("vanilla", None),
     "freescale_padded_update": ("prioritized", "fbs"),
     "freescale_host_completion": ("prioritized", "fbs"),
+    "freescale_late_prepare": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -195,6 +200,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         overlap_backend=overlap,
         sparse_update=_UPDATE.get(variant, base.sparse_update),  # type: ignore[arg-type]
         copy_engine_completion=_COMPLETION.get(variant, base.copy_engine_completion),  # type: ignore[arg-type]
+        early_prepare=base.early_prepare and variant != "freescale_late_prepare",
     )
 
 
@@ -235,6 +241,8 @@ def run_variant(
         local = tr.meta_comm.all_reduce(local.to(tr.meta_comm.device), name="e2e").wait().cpu()
     activity = {
         "prioritized_steps": int(ps.get("prioritized_steps", 0)),
+        # rank 0's backwards whose gradient-free part ran early (prepare_backward)
+        "prepared_steps": int(ps.get("prepared_steps", 0)),
         "sync_steps": int(ps.get("sync_steps", summary.get("steps", 0))),
         "fallbacks": int(ps.get("fallbacks", 0)),
         "collision_rows": int(ps.get("collision_rows", 0)),

@@ -174,7 +174,9 @@ class Trainer:
         self.data_stage_steps = 0  # steps prepared on the data-stage thread
         self.data_stage_counts = 0  # of which the id counts were taken there too
         opts: dict[str, Any] = (
-            {"max_collision_rate": cfg.max_collision_rate} if cfg.mode == "prioritized" else {}
+            {"max_collision_rate": cfg.max_collision_rate, "early_prepare": cfg.early_prepare}
+            if cfg.mode == "prioritized"
+            else {}
         )
         self.overlap_comm = self._overlap_communicator()
         if self.overlap_comm is not None:
@@ -542,6 +544,10 @@ class Trainer:
                 marks("bwd_start")
             t0 = self._now()
             with record_function("freescale/backward"):
+                prepare = getattr(self.sparse, "prepare_backward", None)
+                if prepare is not None:  # the sparse backward's gradient-free part, early
+                    with record_function("freescale/prepare_backward"):
+                        prepare()
                 loss.backward()
             times.add("backward", self._now() - t0)
             for h in self.hooks:
