@@ -420,6 +420,7 @@ def build_modules(
                 optim,
                 max_collision_rate=1.0,
                 side_comm=comm("prioritized.side"),
+                early_prepare=not a.late_prepare,
                 **kw,
             ),
         }
@@ -500,6 +501,8 @@ def run_mode(
         f1 = clock.mark()
         y = _StandInFn.apply(y_in, dense)
         loss = (y * y).sum() * (0.5 * a.loss_scale)
+        if isinstance(mod, PrioritizedEmbeddingCollection):
+            mod.prepare_backward()  # as the Trainer does (a no-op with --late-prepare)
         loss.backward()
         b1 = clock.mark()
         if timed:
@@ -606,6 +609,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-iters", type=int, default=20)
     p.add_argument("--headline-rate", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=5)
+    p.add_argument(
+        "--late-prepare",
+        action="store_true",
+        help="prioritized: no early prepare_backward (the embedding backward does the "
+        "gradient-free part when the stand-in dense backward reaches it)",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.rows, a.dim, a.per_rank, a.median_uih, a.max_uih = 30_000, 16, 4, 48, 256
