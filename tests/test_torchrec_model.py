@@ -173,7 +173,12 @@ def reference() -> dict[str, Any]:
 
 
 def train_freescale(
-    rank: int, world: int, init: str = "module", lr_scale: float = 1.0, mode: str = "vanilla"
+    rank: int,
+    world: int,
+    init: str = "module",
+    lr_scale: float = 1.0,
+    mode: str = "vanilla",
+    prepare: bool = False,
 ) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -212,6 +217,8 @@ def train_freescale(
         if t < STEPS:
             fs.set_next(kjt_of(t + 1, mine)[0])  # look-ahead modes; vanilla ignores it
         loss_sum = ddp(kjt, labels)
+        if prepare:  # optional: the sparse backward's gradient-free part, early
+            fs.prepare_backward()
         (loss_sum / GLOBAL_BATCH).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -232,7 +239,7 @@ def train_freescale(
             for st in (getattr(fs.sparse, "sdd_stats", None), getattr(fs.sparse, "pstats", None))
             if st is not None
             for k, v in st.__dict__.items()
-            if k in ("lookaheads", "ahead_steps", "prioritized_steps")
+            if k in ("lookaheads", "ahead_steps", "prioritized_steps", "prepared_steps")
         },
     }
     if rank == 0:
@@ -301,16 +308,20 @@ def test_torchrec_model_trains_like_the_reference(world: int, pool2, pool4) -> N
     assert not bad, f"W={world}: beyond {TOL} relative: {bad}"
 
 
-@pytest.mark.parametrize("mode", ["sdd", "prioritized"])
-def test_lookahead_modes_equal_vanilla_bitwise(pool2, mode: str) -> None:
+@pytest.mark.parametrize(
+    "mode, prepare", [("sdd", False), ("prioritized", False), ("prioritized", True)]
+)
+def test_lookahead_modes_equal_vanilla_bitwise(pool2, mode: str, prepare: bool) -> None:
     """Tier 1 through shard_model: the look-ahead schedules (fed by set_next) change
-    nothing."""
+    nothing; nor does calling ``prepare_backward()`` before ``loss.backward()``."""
     van = _run(pool2)[0]
-    pri = _run(pool2, mode=mode)[0]
+    pri = _run(pool2, mode=mode, prepare=prepare)[0]
     ahead = pri["lookahead"]
-    print(f"\n[{mode}] {ahead}")
+    print(f"\n[{mode}, prepare={prepare}] {ahead}")
     assert ahead["lookaheads"] == STEPS - 1, ahead  # set_next reached the collection
     assert ahead.get("ahead_steps", ahead.get("prioritized_steps", 0)) > 0, ahead
+    if mode == "prioritized":  # every step prepared early on CPU, none without the call
+        assert ahead["prepared_steps"] == (STEPS if prepare else 0), ahead
     assert pri["type"] == "FreeScaleEmbeddingCollection"
     for n, t in van["tables"].items():
         assert torch.equal(pri["tables"][n], t), n

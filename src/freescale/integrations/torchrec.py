@@ -877,6 +877,15 @@ class FreeScaleEmbeddingCollection(nn.Module):
         ``vanilla``): it must be what the next training forward after this one gets."""
         self._next = features
 
+    def prepare_backward(self) -> bool:
+        """Optional, between the training forward and ``loss.backward()``: run the part of
+        the sparse backward that needs no gradient now (prioritized:
+        :meth:`~freescale.embedding.prioritized.PrioritizedEmbeddingCollection.prepare_backward`;
+        bitwise the same results either way). Returns whether it ran (False for vanilla
+        and sdd, which have no such part)."""
+        prepare = getattr(self.sparse, "prepare_backward", None)
+        return bool(prepare()) if prepare is not None else False
+
     def flush(self) -> None:
         """Apply deferred updates and drop look-aheads (collective; a no-op for vanilla)."""
         self._next = None
