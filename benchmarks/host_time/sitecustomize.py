@@ -7,7 +7,11 @@ exit, writes ``<FS_HOSTT_OUT>/hostt_<pid>.txt``: ms per step and calls per step 
 each function on the main thread and on other threads (the autograd engine's device
 thread runs the embedding backward), counted after ``FS_HOSTT_WARM`` steps (default
 15). A function that waits for the device or for a peer counts that wait: this shows
-where the host blocks, which a profiler with stacks inflates (DESIGN.md 3).
+where the host blocks, which a profiler with stacks inflates (DESIGN.md 3). Below the
+functions, CPU time per step of every thread of the process (``/proc/self/task``,
+user + system, over whole ``FS_HOSTT_CPU_EVERY``-step windows after the warm-up):
+threads that hold the GIL compete for it, so the Python threads' CPU time per step next
+to the step's wall time says whether the host, not the GPU, bounds the step.
 
     FS_HOSTT=1 FS_HOSTT_OUT=/tmp/ht PYTHONPATH=benchmarks/host_time:src \\
         python -m freescale.cli train --device cuda --nproc 2 --steps 60 --mode freescale
@@ -42,6 +46,7 @@ if os.environ.get("FS_HOSTT"):
         (_E, "ShardedEmbeddingCollection._apply"),
         (_P, "PrioritizedEmbeddingCollection.forward"),
         (_P, "PrioritizedEmbeddingCollection._backward_of_step"),
+        (_P, "PrioritizedEmbeddingCollection.prepare_backward"),
         (_P, "PrioritizedEmbeddingCollection._exchange_masks"),
         (_P, "PrioritizedEmbeddingCollection._mask_exchange"),
         (_P, "PrioritizedEmbeddingCollection._owner_split"),
@@ -65,11 +70,37 @@ if os.environ.get("FS_HOSTT"):
     _state = {"steps": 0}
     _WARM = int(os.environ.get("FS_HOSTT_WARM", "15"))
 
+    _EVERY = int(os.environ.get("FS_HOSTT_CPU_EVERY", "10"))
+    _cpu: dict[str, Any] = {"first": None, "last": None}
+    _TICK = os.sysconf("SC_CLK_TCK")
+
+    def _thread_cpu() -> dict[int, tuple[str, float]]:
+        """tid -> (name, user + system seconds) of every thread of this process."""
+        out: dict[int, tuple[str, float]] = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as fh:
+                    st = fh.read()
+            except OSError:
+                continue
+            name = st[st.index("(") + 1 : st.rindex(")")]
+            f = st[st.rindex(")") + 2 :].split()
+            out[int(tid)] = (name, (int(f[11]) + int(f[12])) / _TICK)
+        return out
+
+    def _cpu_snapshot() -> None:
+        snap = (_state["steps"], time.perf_counter(), _thread_cpu())
+        if _cpu["first"] is None:
+            _cpu["first"] = snap
+        _cpu["last"] = snap
+
     def _wrap(f: Any, key: str, counts_steps: bool = False) -> Any:
         @functools.wraps(f)
         def w(*a: Any, **k: Any) -> Any:
             if counts_steps:
                 _state["steps"] += 1
+                if _state["steps"] > _WARM and (_state["steps"] - _WARM - 1) % _EVERY == 0:
+                    _cpu_snapshot()
             t0 = time.perf_counter()
             try:
                 return f(*a, **k)
@@ -107,6 +138,25 @@ if os.environ.get("FS_HOSTT"):
         for (tn, key), v in sorted(_tot.items(), key=lambda kv: -kv[1]):
             per = _cnt[(tn, key)] / n
             lines.append(f"{v / n * 1e3:9.3f} ms/step {per:6.2f} calls/step  {tn:5s} {key}")
+        first, last = _cpu["first"], _cpu["last"]
+        if first is not None and last is not None and last[0] > first[0]:
+            steps = last[0] - first[0]
+            wall = (last[1] - first[1]) / steps * 1e3
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            lines.append(
+                f"thread CPU time over steps {first[0]}..{last[0]} ({steps} steps, "
+                f"{wall:.3f} ms wall per step): ms per step, tid, kernel name, Python name"
+            )
+            rows, total = [], 0.0
+            for tid, (name, cpu) in last[2].items():
+                prev = first[2].get(tid, (name, 0.0))[1]
+                ms = (cpu - prev) / steps * 1e3
+                total += ms
+                rows.append((ms, tid, name, names.get(tid, "")))
+            for ms, tid, name, py in sorted(rows, reverse=True):
+                if ms >= 0.05:
+                    lines.append(f"{ms:9.3f} ms/step  tid {tid:7d}  {name:16s} {py}")
+            lines.append(f"{total:9.3f} ms/step  all threads")
         with open(os.path.join(out, f"hostt_{os.getpid()}.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
