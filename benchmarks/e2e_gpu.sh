@@ -33,6 +33,8 @@
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
+#   bash benchmarks/e2e_gpu.sh lowcoll # ~5 min: 20M items (fewer collisions): vanilla,
+#                                      # prioritized, freescale, 500 steps
 #   bash benchmarks/e2e_gpu.sh hostt   # ~1.5 min: host wall time per function and step
 #                                      # (benchmarks/host_time), vanilla and freescale
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
@@ -44,7 +46,9 @@
 # default of `freescale train` (max UIH 16K, median 1K, 128 samples per rank, dim 128)
 # with 1M items, Zipf s=0.6 (item ids of step t+1 seen at step t: ~48% by occurrence; with
 # the 4-row action table, ~74% of all ids collide). 20M items (~9% item collisions) made
-# the synthetic loader the bottleneck on the GPU machine (~230 ms/step): not used.
+# the synthetic loader the bottleneck on the GPU machine (~230 ms/step); the bounded
+# guide-table search (session 8) cut a 20M-item global batch from 454 to 66 ms on the
+# 2-core dev box: the `lowcoll` phase runs that workload.
 # Set FREESCALE_GIT_SHA to the commit being run: the device copy's .git can be stale.
 set -u
 : "${OUT:?set OUT}"
@@ -179,6 +183,14 @@ r['activity'].get('copy_engine_device_completions')) for r in json.load(open(sys
     "$OUT/e2e_smfree/e2e.json"
   rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
   ;;
+lowcoll)
+  timeout 560 $E2E --num-items 20000000 --out "$OUT/e2e_lowcoll" --nproc 2 \
+    --steps "${LOWCOLL_STEPS:-500}" --variants vanilla prioritized freescale \
+    > "$OUT/e2e_lowcoll.log" 2>&1
+  echo "lowcoll rc=$?"; grep -E "^\| " "$OUT/e2e_lowcoll/e2e.md" | cut -c1-220
+  grep -E "qps_ratio|reduction|ne_rel" "$OUT/e2e_lowcoll.log" | head -12
+  rm -rf "$OUT/e2e_lowcoll/traces" "$OUT"/e2e_lowcoll/*.png
+  ;;
 hostt)
   for mode in vanilla freescale; do
     mkdir -p "$OUT/hostt_$mode"
@@ -197,5 +209,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|lowcoll|hostt|ablate" >&2; exit 2 ;;
 esac

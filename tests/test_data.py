@@ -18,6 +18,7 @@ from freescale.data import (
     SyntheticSource,
     normalized_entropy,
     oracle_ne,
+    synthetic,
     truncate_uih,
     validate_batch,
 )
@@ -165,8 +166,12 @@ def test_zipf_skew_and_permutation() -> None:
     assert len(set(shard_of_top.tolist())) == 4
 
 
-def test_zipf_guide_table_matches_reference() -> None:
-    for n, zs in [(1000, 1.05), (50_000, 1.3), (7, 0.0)]:
+@pytest.mark.parametrize("guide_bits", [22, 10])
+def test_zipf_guide_table_matches_reference(guide_bits: int, monkeypatch) -> None:
+    """The guide table + bounded search equals plain searchsorted; with a 10-bit guide
+    most draws fall in buckets holding many ranks (the 20M-item case at 22 bits)."""
+    monkeypatch.setattr(synthetic, "_GUIDE_MAX_BITS", guide_bits)
+    for n, zs in [(1000, 1.05), (50_000, 1.3), (7, 0.0), (50_000, 0.6)]:
         s = SyntheticSource(DataConfig(num_items=n, zipf_s=zs))
         rng = np.random.default_rng(n)
         y = rng.integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True)
