@@ -33,6 +33,9 @@
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
+#   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
+#                                      # (check_balance_cuda.py: vanilla, reorderings,
+#                                      # shuffle, fbs): is FBS's NE distance rounding?
 #   bash benchmarks/e2e_gpu.sh lowcoll # ~5 min: 20M items (fewer collisions): vanilla,
 #                                      # prioritized, freescale, 500 steps
 #   bash benchmarks/e2e_gpu.sh hostt   # ~1.5 min: host wall time per function and step
@@ -183,6 +186,11 @@ r['activity'].get('copy_engine_device_completions')) for r in json.load(open(sys
     "$OUT/e2e_smfree/e2e.json"
   rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
   ;;
+bal64)
+  timeout 300 python -m torch.distributed.run --nproc-per-node 2 benchmarks/check_balance_cuda.py \
+    --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/balance_cuda_check.log" 2>&1
+  echo "check_balance_cuda rc=$?"; grep -E "^\{|balance CUDA check" "$OUT/balance_cuda_check.log"
+  ;;
 lowcoll)
   timeout 560 $E2E --num-items 20000000 --out "$OUT/e2e_lowcoll" --nproc 2 \
     --steps "${LOWCOLL_STEPS:-500}" --variants vanilla prioritized freescale \
@@ -209,5 +217,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|lowcoll|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|bal64|lowcoll|hostt|ablate" >&2; exit 2 ;;
 esac
