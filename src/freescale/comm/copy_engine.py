@@ -43,9 +43,9 @@ How one all-to-all-v runs (every rank, same order):
 8. ``wait()`` blocks until the worker finished issuing, then makes the *current* stream
    wait on the job's final event (no host synchronisation with the device).
 
-Completion (``CopyEngineConfig.completion``). With ``host`` (the default until measured
-on GPUs) the worker waits on the host in steps 2 and 6: for its buffer's release and
-for its copies into the peers — so for the GPU to have run the producer of ``src`` and
+Completion (``CopyEngineConfig.completion``; ``auto`` = ``device`` unless
+FREESCALE_COPY_ENGINE_COMPLETION says otherwise). With ``host`` the worker waits on the
+host in steps 2 and 6: for its buffer's release and for its copies into the peers — so for the GPU to have run the producer of ``src`` and
 the transfer. A caller's ``wait()`` then blocks until then: a host-device
 synchronisation on the critical path when the producer was queued recently (the
 prioritized forward waits for the exclusive rows sent in the previous backward). With
