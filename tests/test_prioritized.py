@@ -446,6 +446,50 @@ def test_mask_exchange_is_issued_in_the_forward_and_read_in_the_backward():
     assert emb.pstats.lookaheads == 1
 
 
+def test_prepare_backward_lifecycle():
+    """``prepare_backward`` reads the mask exchange, applies (a) and sends t+1's exclusive
+    rows before the backward; it runs once per step (a second call is a no-op), never
+    outside a training step, never when ``early_prepare`` is off, and a flush between it
+    and the backward leaves a synchronous backward over a consistent state (same bits as
+    the same calls without the prepare)."""
+
+    def run(prepare: bool, flush_between: bool, early: bool = True):
+        emb = PrioritizedEmbeddingCollection(
+            TABLES,
+            Communicator(None),
+            SparseOptimConfig("adam", lr=0.1),
+            max_collision_rate=1.0,
+            early_prepare=early,
+        )
+        assert emb.prepare_backward() is False  # no open step
+        ran = []
+        for t in (1, 2, 3):
+            emb.set_step(t)
+            out = emb(_features(t), next_features=_features(t + 1) if t < 3 else None)
+            if prepare:
+                ran.append(emb.prepare_backward())
+                assert emb.prepare_backward() is False  # once per step
+                if early and t < 3:
+                    p = emb._open.ahead  # type: ignore[union-attr]
+                    assert p is not None and p.excl_aw is not None  # t+1's rows sent
+            if flush_between and t == 2:
+                emb.flush()
+            sum((o * (1 + i)).sum() for i, o in enumerate(out.values())).backward()
+        emb.flush()
+        return emb.weight.detach().clone(), emb.pstats, ran
+
+    w_ref, ps_ref, _ = run(prepare=False, flush_between=False)
+    w, ps, ran = run(prepare=True, flush_between=False)
+    assert torch.equal(w, w_ref) and ran == [True, True, True]
+    assert ps.prepared_steps == 3 and ps_ref.prepared_steps == 0
+    assert ps.prioritized_steps == ps_ref.prioritized_steps > 0
+    w_f_ref, _, _ = run(prepare=False, flush_between=True)
+    w_f, ps_f, _ = run(prepare=True, flush_between=True)
+    assert torch.equal(w_f, w_f_ref) and ps_f.flushes >= 1
+    w_off, ps_off, ran_off = run(prepare=True, flush_between=False, early=False)
+    assert torch.equal(w_off, w_ref) and ran_off == [False] * 3 and ps_off.prepared_steps == 0
+
+
 def test_eval_forward_flushes_and_backward_is_required():
     emb = PrioritizedEmbeddingCollection(
         TABLES, Communicator(None), SparseOptimConfig("adam", lr=0.1)
