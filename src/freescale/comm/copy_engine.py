@@ -45,18 +45,19 @@ How one all-to-all-v runs (every rank, same order):
 
 Completion (``CopyEngineConfig.completion``; ``auto`` = ``device`` unless
 FREESCALE_COPY_ENGINE_COMPLETION says otherwise). With ``host`` the worker waits on the
-host in steps 2 and 6: for its buffer's release and for its copies into the peers — so for the GPU to have run the producer of ``src`` and
-the transfer. A caller's ``wait()`` then blocks until then: a host-device
-synchronisation on the critical path when the producer was queued recently (the
-prioritized forward waits for the exclusive rows sent in the previous backward). With
-``device`` both waits move to the copy streams through CUDA inter-process events, one
-``free`` and one ``sent`` event per rank and receive buffer, opened by every peer once
-(:class:`_PeerSignals`): step 2 records ``free`` after the copy streams wait for the
-release; step 5 makes the copy streams wait for every peer's ``free`` before pushing
-and records ``sent`` after the pushes; step 6 keeps the all-reduce (errors, and it
-orders every ``sent`` record before the peers' waits) but no host wait; step 7 waits
-for every peer's ``sent`` on the copy streams. The worker then never waits for the GPU
-(except when a buffer grows), and ``wait()`` only for the peers' workers.
+host in steps 2 and 6: for its buffer's release and for its copies into the peers — so
+for the GPU to have run the producer of ``src`` and the transfer. A caller's ``wait()``
+then blocks until then: a host-device synchronisation on the critical path when the
+producer was queued recently (the prioritized forward waits for the exclusive rows sent
+in the previous backward). With ``device`` both waits move to the copy streams through
+CUDA inter-process events, one ``free`` and one ``sent`` event per rank and receive
+buffer, opened by every peer once (:class:`_PeerSignals`): step 2 records ``free`` after
+the copy streams wait for the release; step 5 makes the copy streams wait for every
+peer's ``free`` before pushing and records ``sent`` after the pushes; step 6 keeps the
+all-reduce (errors, and it orders every ``sent`` record before the peers' waits) but no
+host wait; step 7 waits for every peer's ``sent`` on the copy streams. The worker then
+never waits for the GPU (except when a buffer grows), and ``wait()`` only for the peers'
+workers.
 
 Peer memory (``CopyEngineConfig.peer_memory``): ``symmetric`` = PyTorch symmetric memory
 (CUDA backend; multicast must stay off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is enforced),
