@@ -1,0 +1,607 @@
+"""Triton ranged dispatch "v4" (experimental): large tiles ranked serially, scattered flat.
+
+Owns: `ranged_dispatch_v4`, its kernels and its tuning defaults (`default_config_v4`).
+Same semantics and bits as `reference.ranged_dispatch` (tested in the interpreter), same
+call as v3 (`triton_impl.ranged_dispatch_v1(dest_major=True)`) plus keyword tuning knobs.
+Nothing dispatches to it yet: `ops.ranged_dispatch` trains with v3 until a GPU run has
+checked and timed v4 (`benchmarks/kernels.py`, variant "triton_v4").
+
+Why: v3 sorts every 512-id tile (a bitonic `tl.sort`, 73-84% of its time on an H200) and
+counts every tile over W bins (`tl.histogram`, whose ballot scheme costs ~W/32 * log2 W
+operations per id) into a [W][tiles] matrix that at 2^26 ids and W=1024 is 537 MB, more
+than the ids. v4 keeps v3's idea (the output is the input stably sorted by dest, so an id
+goes to the exclusive scan of per-(dest, tile) counts in [dest][tile] order plus its rank
+among same-dest ids earlier in its tile) and changes how both parts are computed:
+
+* Tiles are large (`tile` ids; 1K-8K on a GPU) and follow keys only (one block size per
+  tile), not segments: the count matrix has W * (N / tile + K) entries, 8M int32 (32 MB)
+  at 2^26 ids, W=1024, 8K-id tiles, instead of 134M.
+* No sort and no histogram. `_v4_rank_kernel` (one warp per tile) walks its tile in order,
+  `chunk` (32) ids at a time, keeping per-dest counters in a private row of a global
+  scratch matrix (W int32, L1/L2-resident). For a chunk it compares every lane's dest with
+  every other lane's ([32, 32] equalities OR-reduced into a 32-bit "peers" mask per lane):
+  rank in tile = counter[dest] + popcount(peers below the lane); the last lane of each dest
+  writes the counter back. Two barriers per chunk order the counter reads, the write-back
+  and the next chunk's reads. It stores (dest << 16 | rank in tile) per id (int32), so
+  the work per id does not depend on W (~6 warp instructions per id on sm_90 by static
+  count, v3's sort + histogram ~20-25).
+* `_v4_scatter_kernel` is flat and fully parallel: position = [tile][dest] exclusive scan
+  (`et`, one contiguous W-row per tile, gathered from L1) + rank; local row from the id.
+
+Output lengths: the rank kernel walks its tile segment by segment and, from counter
+snapshots at segment boundaries, writes `lengths[:, s]` for each segment that starts in
+the tile (owns it) and ends there. A segment running past its tile leaves its two partial
+counts (`tail` in its first tile, `head` in its last); `_v4_finish_kernel` adds the full
+tiles in between from the scan, writes `splits` and `key_counts` (scan differences at
+key-tile boundaries) and the [tile][dest] copy of the scan.
+
+Launches (six, like v3): segment / key-tile offsets (one program); tile table (binary
+searches); rank; `torch.cumsum` of the [dest][tile] counts; finish; scatter. Deterministic:
+no atomics, one writer per output element, per-tile state updated in a fixed order. No
+host-device sync (sizes come from shapes). World size is a compile-time constant (cheap
+divisions; one compiled variant per W). On CPU tensors this module needs
+``TRITON_INTERPRET=1`` set before triton is first imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from freescale.kernels import reference
+from freescale.kernels.common import DispatchResult, check_dispatch_inputs
+
+MAX_WORLD = (1 << 15) - 1  # dest is stored in the high 16 bits of a non-negative int32
+MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
+
+
+# ---------------------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _owner(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
+    """Owner (int32) of int64 ids, `reference.owner_and_local`'s rule."""
+    if MODULO:
+        owner = ids % WORLD
+    else:
+        owner = tl.where(ids < blk * WORLD, ids // blk, ids % WORLD)
+    return owner.to(tl.int32)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _popcount32(x):
+    """Set bits of int32 x (SWAR; the masks clear what arithmetic shifts bring in and the
+    wrapping multiply sums the four byte counts into the top byte)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def _chunk_rank(dest, CHUNK: tl.constexpr):
+    """Per lane of a chunk (CHUNK <= 32 lanes): (earlier lanes with the same dest, whether
+    no later lane has it). ``peers`` holds, as bits, the lanes sharing the lane's dest:
+    [chunk, chunk] equalities OR-reduced over axis 0 (in-thread with one warp)."""
+    bit = tl.full([CHUNK], 1, tl.int32) << tl.arange(0, CHUNK)
+    below = bit - 1  # lanes before this one
+    above = ~(below | bit)  # lanes after this one
+    same = dest[:, None] == dest[None, :]
+    peers = tl.reduce(tl.where(same, bit[:, None], 0), 0, _bit_or)
+    return _popcount32(peers & below), (peers & above) == 0
+
+
+@triton.jit
+def _exclusive_at(scan_ptr, off, mask):
+    """The exclusive scan at flat index ``off`` of an inclusive scan (one entry earlier)."""
+    return tl.load(scan_ptr + off - 1, mask=mask & (off > 0), other=0)
+
+
+@triton.jit
+def _rank_piece(
+    values_ptr,
+    ranks_ptr,
+    row_ptr,
+    lo,
+    hi,
+    blk,
+    WORLD: tl.constexpr,
+    MODULO: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Rank ids ``values[lo:hi]`` (one key) in order, CHUNK at a time, against the counters
+    ``row_ptr[0:W]`` (ids of each dest seen so far in this tile); write
+    ``ranks[i] = dest << 16 | rank`` and advance the counters. One warp: a lane per id."""
+    lane = tl.arange(0, CHUNK)
+    # ids travel as int64 also for int32 input: converting the 4-byte ids is as cheap to
+    # the compiler as converting dest, and it would then recompute the owner (divisions)
+    # for every lane's view of the [chunk, chunk] comparison (~5x the instructions)
+    nxt = tl.load(values_ptr + lo + lane, mask=lo + lane < hi, other=0).to(tl.int64)
+    p = lo
+    while p < hi:  # `while`: the interpreter cannot range() over arguments
+        offs = p + lane
+        mask = offs < hi
+        ids = nxt
+        nxt = tl.load(values_ptr + offs + CHUNK, mask=offs + CHUNK < hi, other=0).to(tl.int64)
+        dest = tl.where(mask, _owner(ids, blk, WORLD, MODULO), -1)  # padding matches none
+        earlier, last = _chunk_rank(dest, CHUNK)
+        rank = tl.load(row_ptr + dest, mask=mask, other=0) + earlier
+        tl.store(ranks_ptr + offs, dest * 65536 + rank, mask=mask)
+        tl.debug_barrier()  # every lane has read its counter before any is written back
+        # one writer per counter (the dest's last lane): a store from several lanes to one
+        # address leaves an unspecified one on a GPU (the interpreter keeps the last)
+        tl.store(row_ptr + dest, rank + 1, mask=mask & last)
+        tl.debug_barrier()  # written counters are visible to the next chunk's reads
+        p += CHUNK
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_keys", "batch"])
+def _v4_segment_kernel(
+    lengths_ptr,
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    num_segments,
+    num_keys,
+    batch,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program. seg_offsets (S + 1,) = [0, cumsum(lengths)]; key_tile_first (K + 1,) =
+    [0, cumsum(max(1, ceil(ids of key k / TILE)))]: key k owns tiles
+    [key_tile_first[k], key_tile_first[k + 1]) (an empty key one empty tile, which owns
+    its segments and writes their zero lengths)."""
+    lane = tl.arange(0, BLOCK)
+    carry = tl.full([], 0, tl.int64)
+    tl.store(seg_offsets_ptr, carry)
+    first = 0
+    while first < num_segments:
+        offs = first + lane
+        mask = offs < num_segments
+        n = tl.load(lengths_ptr + offs, mask=mask, other=0).to(tl.int64)
+        tl.store(seg_offsets_ptr + 1 + offs, tl.cumsum(n, 0) + carry, mask=mask)
+        carry += tl.sum(n, 0)
+        first += BLOCK
+    tl.debug_barrier()  # the offsets written above are read back below by other threads
+    tiles_carry = tl.full([], 0, tl.int64)
+    tl.store(key_tile_first_ptr, tiles_carry)
+    first = 0
+    while first < num_keys:
+        k = first + lane
+        mask = k < num_keys
+        lo = tl.load(seg_offsets_ptr + k.to(tl.int64) * batch, mask=mask, other=0)
+        hi = tl.load(seg_offsets_ptr + (k + 1).to(tl.int64) * batch, mask=mask, other=0)
+        tiles = tl.where(mask, tl.maximum((hi - lo + (TILE - 1)) // TILE, 1), 0)
+        tl.store(key_tile_first_ptr + 1 + k, tl.cumsum(tiles, 0) + tiles_carry, mask=mask)
+        tiles_carry += tl.sum(tiles, 0)
+        first += BLOCK
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_keys", "batch"])
+def _v4_tile_table_kernel(
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    num_tiles,
+    num_keys,
+    batch,
+    TILE: tl.constexpr,
+    KEY_ITERS: tl.constexpr,
+    SEG_ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Tile t -> key, ids [start, end) (TILE ids of one key, the key's last tile shorter)
+    and the segments it owns, [seg_lo, seg_hi): those starting in [start, end), plus, in
+    the key's last tile, the empty segments at the key's end. Spare tiles past the last
+    one are empty (start = end = 0, no segments)."""
+    t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    in_grid = t < num_tiles
+    # key = last k in [0, K] with key_tile_first[k] <= t
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = lo + num_keys + 1
+    for _ in tl.static_range(KEY_ITERS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(key_tile_first_ptr + mid, mask=active & in_grid, other=0) <= t
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    used = in_grid & (t < tl.load(key_tile_first_ptr + num_keys))
+    key = tl.minimum(lo - 1, num_keys - 1)
+    first_tile = tl.load(key_tile_first_ptr + key, mask=used, other=0)
+    last = t == tl.load(key_tile_first_ptr + key + 1, mask=used, other=0) - 1
+    seg0 = key.to(tl.int64) * batch
+    key_start = tl.load(seg_offsets_ptr + seg0, mask=used, other=0)
+    key_end = tl.load(seg_offsets_ptr + seg0 + batch, mask=used, other=0)
+    start = key_start + (t - first_tile) * TILE
+    end = tl.minimum(start + TILE, key_end)
+    # seg_lo = first s of the key with seg_offsets[s] >= start; likewise for end (two
+    # binary searches in one loop, so that their load latencies overlap)
+    lo_a = seg0
+    hi_a = seg0 + batch
+    lo_b = seg0
+    hi_b = seg0 + batch
+    for _ in tl.static_range(SEG_ITERS):
+        act_a = used & (lo_a < hi_a)
+        mid_a = (lo_a + hi_a) // 2
+        ge_a = tl.load(seg_offsets_ptr + mid_a, mask=act_a, other=0) >= start
+        hi_a = tl.where(act_a & ge_a, mid_a, hi_a)
+        lo_a = tl.where(act_a & ~ge_a, mid_a + 1, lo_a)
+        act_b = used & (lo_b < hi_b)
+        mid_b = (lo_b + hi_b) // 2
+        ge_b = tl.load(seg_offsets_ptr + mid_b, mask=act_b, other=0) >= end
+        hi_b = tl.where(act_b & ge_b, mid_b, hi_b)
+        lo_b = tl.where(act_b & ~ge_b, mid_b + 1, lo_b)
+    seg_hi = tl.where(last, seg0 + batch, lo_b)
+    zero = tl.zeros([BLOCK], dtype=tl.int64)
+    tl.store(tile_key_ptr + t, tl.where(used, key, 0), mask=in_grid)
+    tl.store(tile_start_ptr + t, tl.where(used, start, zero), mask=in_grid)
+    tl.store(tile_end_ptr + t, tl.where(used, end, zero), mask=in_grid)
+    tl.store(tile_seg_lo_ptr + t, tl.where(used, lo_a, zero), mask=in_grid)
+    tl.store(tile_seg_hi_ptr + t, tl.where(used, seg_hi, zero), mask=in_grid)
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_segments"])
+def _v4_rank_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    seg_offsets_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    rows_ptr,
+    ranks_ptr,
+    counts_ptr,
+    head_ptr,
+    tail_ptr,
+    lengths_ptr,
+    num_tiles,
+    num_segments,
+    WORLD: tl.constexpr,
+    MODULO: tl.constexpr,
+    CHUNK: tl.constexpr,
+    WB: tl.constexpr,
+):
+    """Tile t (one warp), piece by piece (a piece = the tile's ids of one segment):
+    ranks of its ids (`_rank_piece`, counters in rows[t]); counts[d * T + t] = ids of
+    dest d in the tile; head[t, d] = the first piece's counts when it continues a segment
+    owned by an earlier tile; lengths[d * S + s] for each owned segment s that ends in the
+    tile; tail[t, d] = the last owned segment's counts when it runs past the tile. Until
+    then tail[t] holds the counters at the current piece's start (a snapshot in memory,
+    not registers: a [W] vector would cost W / 32 registers per lane). W-wide work runs
+    in blocks of WB."""
+    t = tl.program_id(0)
+    key = tl.load(tile_key_ptr + t)
+    start = tl.load(tile_start_ptr + t)
+    end = tl.load(tile_end_ptr + t)
+    seg_lo = tl.load(tile_seg_lo_ptr + t)
+    seg_hi = tl.load(tile_seg_hi_ptr + t)
+    blk = tl.load(block_sizes_ptr + key).to(tl.int64)
+    row = t.to(tl.int64) * WORLD
+    counters = rows_ptr + row
+    snap = tail_ptr + row
+    wl = tl.arange(0, WB)
+    for b in tl.range(0, WORLD, WB):
+        tl.store(counters + b + wl, tl.zeros([WB], dtype=tl.int32), mask=b + wl < WORLD)
+    tl.debug_barrier()
+
+    head_end = tl.where(seg_lo < seg_hi, tl.load(seg_offsets_ptr + seg_lo), end)
+    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK)
+    for b in tl.range(0, WORLD, WB):
+        m = b + wl < WORLD
+        seen = tl.load(counters + b + wl, mask=m, other=0)
+        tl.store(head_ptr + row + b + wl, seen, mask=m & (head_end > start))
+        tl.store(snap + b + wl, seen, mask=m)
+    tl.debug_barrier()  # snapshot rows are re-read below (an empty piece runs no chunk)
+    s = seg_lo
+    seg_start = head_end
+    while s < seg_hi:
+        seg_end = tl.load(seg_offsets_ptr + s + 1)
+        _rank_piece(values_ptr, ranks_ptr, counters, seg_start, tl.minimum(seg_end, end), blk,
+                    WORLD, MODULO, CHUNK)  # fmt: skip
+        crossing = seg_end > end  # only the last owned segment can run past the tile
+        for b in tl.range(0, WORLD, WB):
+            m = b + wl < WORLD
+            now = tl.load(counters + b + wl, mask=m, other=0)
+            piece = now - tl.load(snap + b + wl, mask=m, other=0)
+            tl.store(lengths_ptr + (b + wl).to(tl.int64) * num_segments + s,
+                     piece.to(lengths_ptr.dtype.element_ty), mask=m & ~crossing)  # fmt: skip
+            tl.store(snap + b + wl, tl.where(crossing, piece, now), mask=m)
+        tl.debug_barrier()
+        seg_start = seg_end
+        s += 1
+    for b in tl.range(0, WORLD, WB):
+        m = b + wl < WORLD
+        total = tl.load(counters + b + wl, mask=m, other=0)
+        tl.store(counts_ptr + (b + wl).to(tl.int64) * num_tiles + t, total, mask=m)
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_segments", "num_keys", "batch"])
+def _v4_finish_kernel(
+    scan_ptr,
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    tile_key_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    head_ptr,
+    tail_ptr,
+    et_ptr,
+    lengths_ptr,
+    splits_ptr,
+    key_counts_ptr,
+    num_tiles,
+    num_segments,
+    num_keys,
+    batch,
+    WORLD: tl.constexpr,
+    TILE: tl.constexpr,
+    WB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Programs [0, T): et[t, d] = exclusive scan at (d, t) (a contiguous row per tile for
+    the scatter); if tile t1's last owned segment s runs past it (to tile t2),
+    lengths[:, s] = tail[t1] + (ids in the full tiles t1+1..t2-1: a scan difference) +
+    head[t2]. Programs [T, T + W / BLOCK_D): splits and key_counts of BLOCK_D dests,
+    differences of the [dest][tile] scan at key-tile boundaries (tiles follow keys)."""
+    pid = tl.program_id(0)
+    if pid < num_tiles:
+        t1 = pid.to(tl.int64)
+        row = t1 * WORLD
+        wl = tl.arange(0, WB)
+        for b in tl.range(0, WORLD, WB):
+            m = b + wl < WORLD
+            e = _exclusive_at(scan_ptr, (b + wl).to(tl.int64) * num_tiles + t1, m)
+            tl.store(et_ptr + row + b + wl, e, mask=m)
+        seg_lo = tl.load(tile_seg_lo_ptr + t1)
+        seg_hi = tl.load(tile_seg_hi_ptr + t1)
+        s = tl.maximum(seg_hi - 1, 0)
+        seg_end = tl.load(seg_offsets_ptr + s + 1)
+        if (seg_lo < seg_hi) & (seg_end > tl.load(tile_end_ptr + t1)):
+            key = tl.load(tile_key_ptr + t1)
+            key_start = tl.load(seg_offsets_ptr + key.to(tl.int64) * batch)
+            t2 = tl.load(key_tile_first_ptr + key) + (seg_end - 1 - key_start) // TILE
+            for b in tl.range(0, WORLD, WB):
+                m = b + wl < WORLD
+                col = (b + wl).to(tl.int64) * num_tiles
+                between = _exclusive_at(scan_ptr, col + t2, m) - _exclusive_at(
+                    scan_ptr, col + t1 + 1, m
+                )
+                tail = tl.load(tail_ptr + row + b + wl, mask=m, other=0)
+                head = tl.load(head_ptr + t2 * WORLD + b + wl, mask=m, other=0)
+                total = tail + head + between
+                tl.store(lengths_ptr + (b + wl).to(tl.int64) * num_segments + s,
+                         total.to(lengths_ptr.dtype.element_ty), mask=m)  # fmt: skip
+    else:
+        dest = (pid - num_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = dest < WORLD
+        dcol = dest.to(tl.int64) * num_tiles  # (names differ from the branch above: the
+        # compiler wants a name to keep its type across the branches of an `if`)
+        first = _exclusive_at(scan_ptr, dcol, dmask)  # key_tile_first[0] == 0
+        prev = first
+        k = 0
+        while k < num_keys:
+            cur = _exclusive_at(scan_ptr, dcol + tl.load(key_tile_first_ptr + k + 1), dmask)
+            tl.store(key_counts_ptr + dest.to(tl.int64) * num_keys + k,
+                     (cur - prev).to(tl.int64), mask=dmask)  # fmt: skip
+            prev = cur
+            k += 1
+        tl.store(splits_ptr + dest, (prev - first).to(tl.int64), mask=dmask)
+
+
+@triton.jit
+def _v4_scatter_kernel(
+    values_ptr,
+    weights_ptr,
+    block_sizes_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    ranks_ptr,
+    et_ptr,
+    out_values_ptr,
+    out_weights_ptr,
+    perm_ptr,
+    WORLD: tl.constexpr,
+    MODULO: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Block pid1 of tile pid0: position = et[t, dest] + rank in tile; local row."""
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_start_ptr + t)
+    end = tl.load(tile_end_ptr + t)
+    offs = start + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < end
+    blk = tl.load(block_sizes_ptr + tl.load(tile_key_ptr + t)).to(tl.int64)
+    ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
+    packed = tl.load(ranks_ptr + offs, mask=mask, other=0)
+    dest = packed >> 16
+    pos = tl.load(et_ptr + t * WORLD + dest, mask=mask, other=0).to(tl.int64) + (packed & 0xFFFF)
+    if MODULO:
+        local = ids // WORLD
+    else:
+        local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, ids // WORLD)
+    tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
+    tl.store(perm_ptr + offs, pos, mask=mask)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + offs, mask=mask)
+        tl.store(out_weights_ptr + pos, w, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """Tuning knobs of `ranged_dispatch_v4` (every choice gives the same bits).
+
+    tile: ids per rank program (power of two, 16..65536); the count matrix, its scan and
+        the per-tile rows have W * (N / tile + K) entries; a program walks its tile alone.
+    chunk: ids ranked together (16 or 32): a lane each of the rank program's one warp.
+    scatter_block: ids per scatter program (power of two >= 16).
+    scatter_warps: warps per scatter program.
+    """
+
+    tile: int
+    chunk: int = 32
+    scatter_block: int = 1024
+    scatter_warps: int = 4
+
+
+def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
+    """Defaults before any GPU measurement (`benchmarks/kernels.py` sweeps the tile).
+
+    A rank program is one warp walking its tile serially, so the grid wants several
+    thousand tiles at 2^26 ids (8K-id tiles: 8K programs, a 32 MB count matrix at W=1024)
+    and ~1K at one rank's ~1M ids (1K-id tiles). On CPU (interpreter) everything is tiny
+    so that tests cover many tiles and chunks. ``world_size`` is kept for callers.
+    """
+    del world_size
+    if device.type == "cpu":
+        return V4Config(tile=64, chunk=16, scatter_block=32)
+    tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
+    return V4Config(tile=tile)
+
+
+def _check(cfg: V4Config, world_size: int) -> None:
+    for name, x, hi in (
+        ("tile", cfg.tile, MAX_TILE),
+        ("chunk", cfg.chunk, 32),
+        ("scatter_block", cfg.scatter_block, 1 << 16),
+    ):
+        if x & (x - 1) or not 16 <= x <= hi:
+            raise ValueError(f"{name} must be a power of two in [16, {hi}], got {x}")
+    if world_size > MAX_WORLD:
+        raise ValueError(f"ranged_dispatch_v4 supports world_size <= {MAX_WORLD}")
+
+
+def ranged_dispatch_v4(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    block_sizes: torch.Tensor,
+    world_size: int,
+    *,
+    mode: str = "block",
+    weights: Optional[torch.Tensor] = None,
+    tile: Optional[int] = None,
+    chunk: Optional[int] = None,
+    scatter_block: Optional[int] = None,
+    scatter_warps: Optional[int] = None,
+) -> DispatchResult:
+    """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
+    as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`."""
+    num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
+    n, nseg, dev = values.numel(), num_keys * batch, values.device
+    if n == 0:
+        return reference.ranged_dispatch(
+            values, lengths, block_sizes, world_size, mode=mode, weights=weights
+        )
+    base = default_config_v4(world_size, dev, n)
+    cfg = V4Config(
+        tile=tile or base.tile,
+        chunk=chunk or base.chunk,
+        scatter_block=scatter_block or base.scatter_block,
+        scatter_warps=scatter_warps or base.scatter_warps,
+    )
+    _check(cfg, world_size)
+    values, lengths = values.contiguous(), lengths.contiguous()
+    block_sizes = block_sizes.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    modulo = mode == "modulo"
+    wp = max(2, triton.next_power_of_2(world_size))
+
+    # 1. segment offsets and the first tile of every key (one program)
+    seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
+    key_tile_first = torch.empty(num_keys + 1, dtype=torch.int64, device=dev)
+    block = min(2048, max(128, triton.next_power_of_2(max(nseg, num_keys))))
+    _v4_segment_kernel[(1,)](
+        lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=cfg.tile,
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+
+    # 2. tile table. Key k has max(1, ceil(n_k / tile)) <= n_k // tile + 1 tiles, so
+    # n // tile + K bounds the tiles used without a sync; spare tiles stay empty.
+    num_tiles = n // cfg.tile + num_keys
+    tile_key = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    tile_start, tile_end, tile_seg_lo, tile_seg_hi = (
+        torch.empty(num_tiles, dtype=torch.int64, device=dev) for _ in range(4)
+    )
+    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
+    _v4_tile_table_kernel[(triton.cdiv(num_tiles, 1024),)](
+        seg_offsets, key_tile_first, tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi,
+        num_tiles, num_keys, batch, TILE=cfg.tile, KEY_ITERS=(num_keys + 1).bit_length() + 1,
+        SEG_ITERS=seg_iters, BLOCK=1024, num_warps=4,
+    )  # fmt: skip
+    tiles = (tile_key, tile_start, tile_end)
+
+    # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, owned lengths
+    rows = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+    ranks = torch.empty(n, dtype=torch.int32, device=dev)
+    counts = torch.empty(world_size * num_tiles, dtype=torch.int32, device=dev)
+    head = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+    tail = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+    new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
+    _v4_rank_kernel[(num_tiles,)](
+        values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows, ranks,
+        counts, head, tail, new_lengths, num_tiles, nseg, WORLD=world_size, MODULO=modulo,
+        CHUNK=cfg.chunk, WB=min(wp, 256), num_warps=1,
+    )  # fmt: skip
+
+    # 4. inclusive scan in [dest][tile] order; the exclusive value at (d, t), the output
+    # position of tile t's first id of dest d, sits one entry earlier
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    scan = torch.cumsum(counts, 0, dtype=index_dtype)
+
+    # 5. the scan as [tile][dest] rows, segments crossing tiles, splits, key counts
+    et = torch.empty(num_tiles * world_size, dtype=index_dtype, device=dev)
+    splits = torch.empty(world_size, dtype=torch.int64, device=dev)
+    key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
+    block_d = 256
+    _v4_finish_kernel[(num_tiles + triton.cdiv(world_size, block_d),)](
+        scan, seg_offsets, key_tile_first, tile_key, tile_end, tile_seg_lo, tile_seg_hi, head,
+        tail, et, new_lengths, splits, key_counts, num_tiles, nseg, num_keys, batch,
+        WORLD=world_size, TILE=cfg.tile, WB=min(wp, 1024), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+
+    # 6. scatter
+    out_values = torch.empty_like(values)
+    out_weights = None if weights is None else torch.empty_like(weights)
+    perm = torch.empty(n, dtype=torch.int64, device=dev)
+    _v4_scatter_kernel[(num_tiles, triton.cdiv(cfg.tile, cfg.scatter_block))](
+        values, values if weights is None else weights, block_sizes, *tiles, ranks, et,
+        out_values, out_values if out_weights is None else out_weights, perm,
+        WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None,
+        BLOCK=cfg.scatter_block, num_warps=cfg.scatter_warps,
+    )  # fmt: skip
+    return DispatchResult(
+        values=out_values,
+        lengths=new_lengths,
+        splits=splits,
+        key_counts=key_counts,
+        unbucketize_permute=perm,
+        weights=out_weights,
+    )

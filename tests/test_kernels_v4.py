@@ -1,0 +1,205 @@
+"""Triton dispatch v4 (`triton_dispatch_v4.ranged_dispatch_v4`) against the reference.
+
+Bitwise (every field, dtypes included) on fresh random jagged inputs per run, in Triton's
+interpreter on CPU (TRITON_INTERPRET=1), with tiny tiles so that every run covers many
+tiles per key, several chunks per tile, segments spanning tiles (with whole tiles in
+between) and tiles holding many segments. Each test prints its seed; replay with
+FREESCALE_TEST_SEED=<seed>. Compilation and speed are checked on the GPU machine
+(`benchmarks/kernels.py`, variant "triton_v4").
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freescale.kernels import reference  # noqa: E402
+from freescale.kernels.common import triton_available  # noqa: E402
+
+try:
+    from _kernel_cases import SEED_ENV_VAR, assert_dispatch_equal, fresh_seed, random_dispatch_case
+except ImportError:  # tests/ imported as a package
+    from tests._kernel_cases import (
+        SEED_ENV_VAR,
+        assert_dispatch_equal,
+        fresh_seed,
+        random_dispatch_case,
+    )
+
+pytestmark = pytest.mark.skipif(
+    not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="triton missing, or TRITON_INTERPRET was not 1 when this module was imported",
+)
+
+torch.set_num_threads(1)
+
+INDEX_DTYPES = [torch.int32, torch.int64]
+# (tile, chunk, scatter_block); None = the CPU defaults (64, 16, 32)
+CONFIGS = [(16, 16, 16), (None, None, None), (64, 32, 16), (128, 32, 64)]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = fresh_seed()
+    print(f"seed={seed} (replay with {SEED_ENV_VAR}={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def _v4():
+    from freescale.kernels import triton_dispatch_v4
+
+    return triton_dispatch_v4
+
+
+def _dtypes(i: int) -> dict:
+    return {"values_dtype": INDEX_DTYPES[i % 2], "lengths_dtype": INDEX_DTYPES[(i // 2) % 2]}
+
+
+def _check(args, mode="block", weights=None, context="", **knobs) -> None:
+    expected = reference.ranged_dispatch(*args, mode=mode, weights=weights)
+    actual = _v4().ranged_dispatch_v4(*args, mode=mode, weights=weights, **knobs)
+    assert_dispatch_equal(expected, actual, f"{mode} {knobs} {context}")
+
+
+@pytest.mark.parametrize("world", [1, 3, 8, 300, 1024])
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_v4_matches_reference(gen, world, mode):
+    """Random batches: empty segments, ids at block borders and past blk*W, table rows not
+    divisible by W, int32/int64 ids and lengths, with and without weights."""
+    for i, (tile, chunk, block) in enumerate(CONFIGS):
+        case = random_dispatch_case(
+            gen, world, max_batch=6, max_len=70, with_weights=i % 2 == 0, **_dtypes(world + i)
+        )
+        args = (case.values, case.lengths, case.block_sizes, world)
+        _check(args, mode, case.weights, case.describe(), tile=tile, chunk=chunk,
+               scatter_block=block)  # fmt: skip
+
+
+def _fixed(lengths: list[int], ids, blocks: list[int], dtypes) -> tuple:
+    values_dtype, lengths_dtype = dtypes
+    return (
+        torch.as_tensor(ids).to(values_dtype),
+        torch.tensor(lengths, dtype=lengths_dtype),
+        torch.tensor(blocks, dtype=values_dtype),
+    )
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int32, torch.int64), (torch.int64, torch.int32)])
+def test_v4_edge_cases(gen, dtypes):
+    """Segments across many tiles, a key without ids, trailing empty segments, one dest
+    for every id, W=1024 with few ids, ids exactly at the range borders."""
+    cases = []
+    # K=2, B=3: a 150-id segment spans ~10 tiles of 16 (whole tiles in between), 41 ids
+    # cross a tile border, empty segments at both ends of a key
+    lengths = [0, 150, 3, 0, 0, 41]
+    n = sum(lengths)
+    cases += [
+        (lengths, 4, torch.randint(0, 40, (n,), generator=gen), [10, 10]),
+        (lengths, 4, torch.full((n,), 7), [3, 3]),  # every id to dest 2 (7 // 3)
+        (lengths, 4, torch.arange(n) % 3, [1, 1]),  # dests 0..2 interleaved, dest 3 empty
+        (lengths, 1024, torch.randint(0, 5000, (n,), generator=gen), [5, 5]),  # past blk*W
+    ]
+    # key 0 without ids (one empty tile owns its segments), key 2 ends with empty segments
+    lengths = [0, 0, 0, 5, 37, 0, 20, 0, 0]
+    n = sum(lengths)
+    cases.append((lengths, 7, torch.randint(0, 200, (n,), generator=gen), [4, 9, 30]))
+    # ids at every border of W=5 blocks of 6 rows (blk*W = 30) and beyond
+    borders = [0, 5, 6, 11, 12, 23, 24, 29, 30, 31, 59, 60, 61, 1000]
+    cases.append(([len(borders)], 5, torch.tensor(borders), [6]))
+    # W=1024, a handful of ids, all but one segment empty
+    cases.append(([0, 0, 5, 0], 1024, torch.tensor([0, 1023, 5, 1024, 99]), [1, 1]))
+    # a single id; one segment much longer than a tile
+    cases.append(([1], 3, torch.tensor([2]), [1]))
+    cases.append(([333], 2, torch.randint(0, 10, (333,), generator=gen), [5]))
+    # (mode, tile, chunk) per case, rotating so that every pair meets every knob setting
+    runs = [("block", 16, 16), ("modulo", 32, 32), ("block", None, None), ("modulo", 16, 16)]
+    for i, (lengths, world, ids, blocks) in enumerate(cases):
+        args = (*_fixed(lengths, ids, blocks, dtypes), world)
+        weights = torch.rand(ids.numel(), generator=gen)
+        for mode, tile, chunk in (runs[i % 4], runs[(i + 1) % 4]):
+            _check(args, mode, weights, f"W={world} lengths={lengths}", tile=tile, chunk=chunk)
+
+
+def test_v4_ids_fit_one_tile_or_many(gen):
+    """N smaller than one tile (one program per key), and many full tiles per key."""
+    for max_len, tile in ((3, 1024), (200, 16)):
+        case = random_dispatch_case(gen, 8, max_keys=2, max_batch=3, max_len=max_len)
+        args = (case.values, case.lengths, case.block_sizes, 8)
+        _check(args, context=case.describe(), tile=tile)
+
+
+def test_v4_empty_inputs():
+    v4 = _v4()
+    for lengths, blocks in (([0, 0, 0, 0], [3, 4]), ([], [5]), ([], [])):
+        for dtype in INDEX_DTYPES:
+            got = v4.ranged_dispatch_v4(
+                torch.zeros(0, dtype=dtype),
+                torch.tensor(lengths, dtype=dtype),
+                torch.tensor(blocks, dtype=dtype),
+                4,
+            )
+            assert got.values.numel() == 0 and got.values.dtype == dtype
+            assert got.lengths.tolist() == lengths * 4
+            assert got.splits.tolist() == [0] * 4
+            assert got.key_counts.shape == (4, len(blocks))
+
+
+def test_v4_deterministic(gen):
+    case = random_dispatch_case(gen, 64, max_batch=4, max_len=50, with_weights=True)
+    args = (case.values, case.lengths, case.block_sizes, 64)
+    first = _v4().ranged_dispatch_v4(*args, weights=case.weights, tile=16)
+    assert_dispatch_equal(first, _v4().ranged_dispatch_v4(*args, weights=case.weights, tile=16),
+                          "run twice")  # fmt: skip
+
+
+def test_v4_rejects_bad_knobs():
+    v4 = _v4()
+    args = (torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([4]), 2)
+    for knobs in ({"tile": 48}, {"tile": 8}, {"chunk": 64}, {"scatter_block": 24}):
+        with pytest.raises(ValueError):
+            v4.ranged_dispatch_v4(*args, **knobs)
+    with pytest.raises(ValueError):
+        v4.ranged_dispatch_v4(*args[:3], v4.MAX_WORLD + 1)
+
+
+def test_v4_default_config():
+    v4 = _v4()
+    cpu = v4.default_config_v4(8, torch.device("cpu"), 1 << 20)
+    assert (cpu.tile, cpu.chunk, cpu.scatter_block) == (64, 16, 32)
+    cuda = torch.device("cuda")
+    assert v4.default_config_v4(1024, cuda, 1 << 26).tile == 8192
+    assert v4.default_config_v4(8, cuda, 1 << 20).tile == 1024
+    assert v4.default_config_v4(8, cuda, 100).tile == 1024
+
+
+if triton_available():  # a module-level kernel: jit functions resolve names in globals
+    import triton
+    import triton.language as tl
+
+    from freescale.kernels.triton_dispatch_v4 import _chunk_rank
+
+    @triton.jit
+    def _probe_chunk_rank(dest_ptr, earlier_ptr, last_ptr, CHUNK: tl.constexpr):
+        lane = tl.arange(0, CHUNK)
+        earlier, last = _chunk_rank(tl.load(dest_ptr + lane), CHUNK)
+        tl.store(earlier_ptr + lane, earlier)
+        tl.store(last_ptr + lane, last.to(tl.int32))
+
+
+def test_v4_chunk_rank(gen):
+    """The per-chunk rank and "last lane of its dest" flags directly: the interpreter keeps
+    the last of several stores to one address, so only this test notices a counter
+    written back by more than one lane (on a GPU that lane would be unspecified)."""
+    for chunk in (16, 32):
+        for high in (1, 3, chunk, 1 << 20):
+            dest = torch.randint(-1, high, (chunk,), generator=gen, dtype=torch.int32)
+            earlier = torch.empty(chunk, dtype=torch.int32)
+            last = torch.empty(chunk, dtype=torch.int32)
+            _probe_chunk_rank[(1,)](dest, earlier, last, CHUNK=chunk)
+            d = dest.tolist()
+            assert earlier.tolist() == [d[:i].count(x) for i, x in enumerate(d)], d
+            assert last.tolist() == [int(x not in d[i + 1 :]) for i, x in enumerate(d)], d
