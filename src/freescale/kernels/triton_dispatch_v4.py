@@ -127,13 +127,19 @@ def _rank_piece(
     # ids travel as int64 also for int32 input: converting the 4-byte ids is as cheap to
     # the compiler as converting dest, and it would then recompute the owner (divisions)
     # for every lane's view of the [chunk, chunk] comparison (~5x the instructions)
+    # Loads run two chunks ahead: one warp's chunk is ~180 instructions, less than a DRAM
+    # round trip, and 32 one-warp programs per SM need several loads in flight each.
     nxt = tl.load(values_ptr + lo + lane, mask=lo + lane < hi, other=0).to(tl.int64)
+    nxt2 = tl.load(values_ptr + lo + CHUNK + lane, mask=lo + CHUNK + lane < hi, other=0)
+    nxt2 = nxt2.to(tl.int64)
     p = lo
     while p < hi:  # `while`: the interpreter cannot range() over arguments
         offs = p + lane
         mask = offs < hi
         ids = nxt
-        nxt = tl.load(values_ptr + offs + CHUNK, mask=offs + CHUNK < hi, other=0).to(tl.int64)
+        nxt = nxt2
+        ahead = offs + 2 * CHUNK
+        nxt2 = tl.load(values_ptr + ahead, mask=ahead < hi, other=0).to(tl.int64)
         dest = tl.where(mask, _owner(ids, blk, WORLD, MODULO), -1)  # padding matches none
         earlier, last = _chunk_rank(dest, CHUNK)
         rank = tl.load(row_ptr + dest, mask=mask, other=0) + earlier
