@@ -8,8 +8,10 @@ World size is swept 8..1024 for two workloads:
 - "per_rank": ONE rank's local batch (128 samples x 4 keys, skewed UIH lengths with mean
   2048, the 4 keys are parallel sequences of one length) dispatched to W owners;
 - "large": 2^26 ids (8192 samples x 4 keys, same length distribution).
-Ops: ranged_dispatch (Triton timed twice: "triton" is the sort-free kernel,
-"triton_v1" the first tile-sort kernel kept for comparison), ranged_combine (+ backward,
+Ops: ranged_dispatch (Triton: "triton" is the sort-free kernel v2, "triton_v1" the first
+tile-sort kernel, "triton_v3" the one training uses, "triton_v4" the experimental
+large-tile kernel of `triton_dispatch_v4.py`, checked bitwise against v3 as well as the
+reference before it is timed), ranged_combine (+ backward,
 D=128 bf16 rows), keyed_transpose of the dispatch output ([W][K][B] -> [K][W][B]) and
 indexed_permute (a sample shuffle; its cost does not depend on W, so it is timed once per
 workload).
@@ -180,9 +182,10 @@ class Runner:
         self.notes: list[str] = []
         self.bandwidth: Optional[float] = None
         if use_triton:
-            from freescale.kernels import triton_impl
+            from freescale.kernels import triton_dispatch_v4, triton_impl
 
             self.triton = triton_impl
+            self.v4 = triton_dispatch_v4
             self.tile = 32 if device.type == "cpu" else None
 
     def time_impls(self, impls: dict[str, Callable[[], object]], naive_fn) -> dict:
@@ -225,6 +228,8 @@ class Runner:
             if self.bandwidth:
                 row["floor_ms"] = floor_bytes / self.bandwidth * 1e3
                 row["fraction_of_hbm_floor"] = row["floor_ms"] / t
+        if row.get("triton_v4_ms") and row.get("triton_v3_ms"):
+            row["speedup_v4_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_ms"]
         self.rows.append(row)
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
         print(json.dumps(shown), flush=True)
@@ -240,8 +245,9 @@ class Runner:
         """Check every implementation against the reference, then time them.
 
         `fns` maps "reference", "vectorized", "naive", (if used) "triton" and optionally
-        "triton_v1" / "triton_v3" to zero-argument calls on the same input. Returns the
-        reference output.
+        "triton_v1" / "triton_v3" / "triton_v4" to zero-argument calls on the same input.
+        v4 (experimental) is also compared with v3 field by field. Returns the reference
+        output.
         """
         where = f"{op} ({wl['name']}, W={world})"
         expect = fns["reference"]()
@@ -249,12 +255,14 @@ class Runner:
         if wl["n"] <= self.args.check_naive_max_ids:
             check_same(f"naive {where}", expect, fns["naive"]())
         impls = {"vectorized": fns["vectorized"]}
-        for name in ("triton", "triton_v1", "triton_v3"):
+        for name in ("triton", "triton_v1", "triton_v3", "triton_v4"):
             if not self.use_triton or name not in fns:
                 continue
             got = fns[name]()
             check_same(f"{name} {where}", expect, got)
             check_same(f"{name} {where} run twice (determinism)", got, fns[name]())
+            if name == "triton_v4" and "triton_v3" in fns:
+                check_same(f"triton_v4 vs triton_v3 {where}", fns["triton_v3"](), got)
             impls[name] = fns[name]
             del got
         times = self.time_impls(impls, fns["naive"])
@@ -278,6 +286,7 @@ class Runner:
                 fns["triton_v3"] = partial(
                     tri.ranged_dispatch_v1, *args, tile=self.tile, dest_major=True
                 )
+                fns["triton_v4"] = partial(self.v4.ranged_dispatch_v4, *args)
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
 
@@ -327,14 +336,22 @@ class Runner:
         self.bench_op(wl, "indexed_permute", None, fns, floor)
 
     def tile_sweep(
-        self, wl: dict, world: int, chunks: list[int], blocks: list[int], v1_tiles: list[int]
+        self,
+        wl: dict,
+        world: int,
+        chunks: list[int],
+        blocks: list[int],
+        v1_tiles: list[int],
+        v4_settings: Optional[list[tuple[int, int]]] = None,
     ) -> None:
-        """Triton dispatch time per (chunk, block) of the sort-free kernel ("tile" = chunk)
-        and per tile of the v1 kernel (tuning data; every setting is checked first)."""
+        """Triton dispatch time per (chunk, block) of the sort-free kernel ("tile" = chunk),
+        per tile of the v1 kernel and per (tile, chunk) of v4 ("block" = chunk) (tuning
+        data; every setting is checked against the reference first)."""
         args = (wl["values"], wl["lengths"], block_sizes_for(world, self.device), world)
         expect = reference.ranged_dispatch(*args)
         settings = [("triton", c, b) for c in chunks for b in blocks if b <= c]
         settings += [("triton_v1", t, None) for t in v1_tiles]
+        settings += [("triton_v4", t, c) for t, c in v4_settings or []]
         for impl, tile, block in settings:
             if time.perf_counter() > self.deadline:
                 self.notes.append("time budget exhausted: tile sweep cut short")
@@ -343,6 +360,8 @@ class Runner:
                    "world_size": world, "n_ids": wl["n"], "tile": tile, "block": block}  # fmt: skip
             if impl == "triton":
                 fn = partial(self.triton.ranged_dispatch, *args, chunk=tile, block=block)
+            elif impl == "triton_v4":
+                fn = partial(self.v4.ranged_dispatch_v4, *args, tile=tile, chunk=block)
             else:
                 fn = partial(self.triton.ranged_dispatch_v1, *args, tile=tile)
             try:
@@ -400,7 +419,8 @@ def _headline(rows: list[dict]) -> dict:
             "dispatch_fraction_of_hbm_floor": ratio(floor, big.get(key)),
         }
 
-    have = {k for r in rows for k in ("triton_v1_ms", "triton_v3_ms") if k in r}
+    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms")
+    have = {k for r in rows for k in keys if k in r}
     if "triton_v3_ms" in have:  # v3 trains on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")
         out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
@@ -410,13 +430,16 @@ def _headline(rows: list[dict]) -> dict:
         kernel = "v1 (tile sort; what training dispatched on CUDA then)"
     if have:
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
+    if "triton_v4_ms" in have:  # experimental, not dispatched by ops.ranged_dispatch
+        out.update({f"{k}_v4": v for k, v in fig("triton_v4_ms").items()})
     out["kernel"] = kernel
     out["definition"] = (
         "speedups: ranged_dispatch, per_rank workload (one rank's batch, 128 samples x 4 "
         "keys, mean UIH 2048), naive eager or vectorized time / Triton time; fraction: "
         "large workload (2^26 ids) at W=1024, HBM floor time (bytes read+written / "
         "measured device copy bandwidth) / Triton time; unsuffixed: the kernel named in "
-        "'kernel'; *_v1: tile sort with the [tile][dest] scan; *_v2: the sort-free kernel"
+        "'kernel'; *_v1: tile sort with the [tile][dest] scan; *_v2: the sort-free kernel; "
+        "*_v4: large tiles ranked per warp + flat scatter (experimental, triton_dispatch_v4)"
     )
     return out
 
@@ -438,6 +461,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
             ("triton", "o-"),
             ("triton_v1", "o--"),
             ("triton_v3", "d-"),
+            ("triton_v4", "*-"),
             ("vectorized", "s--"),
             ("naive", "^:"),
         ):
@@ -531,7 +555,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             wl = make_workload(name, batch, total, device, args.seed + i, args.smoke)
             runner.run_workload(wl, worlds)
             if name == "large" and use_triton and not args.smoke and not args.no_sweep:
-                runner.tile_sweep(wl, worlds[-1], [1024, 2048, 4096, 8192], [32, 64, 128], [2048])
+                v4 = [(t, c) for t in (2048, 4096, 8192, 16384) for c in (16, 32)]
+                runner.tile_sweep(
+                    wl, worlds[-1], [1024, 2048, 4096, 8192], [32, 64, 128], [2048], v4
+                )
+                runner.tile_sweep(wl, worlds[0], [], [], [], v4)  # v4 at the smallest W
             del wl
     except Mismatch as exc:
         print(f"ABORT: {exc}", file=sys.stderr)
