@@ -8,6 +8,8 @@
 #   bash benchmarks/e2e_gpu.sh vcheck  # verify then check in one call (~6 min)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
 #                                      # benchmarks/kernels.py (the kernels figure)
+#   bash benchmarks/e2e_gpu.sh kfig    # <= 9 min: benchmarks/kernels.py alone (v1-v4; v4 is
+#                                      # bitwise-checked against v3 before timing)
 #   bash benchmarks/e2e_gpu.sh sparse  # ~3 min: padded sparse update bitwise on CUDA + 150-step
 #                                      # vanilla (sync vs padded update) and freescale runs
 #   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
@@ -81,6 +83,13 @@ verify)
   echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
   timeout 200 python benchmarks/profile_dispatch.py --out "$OUT" \
     --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | grep -E "device; top|MISMATCH|wrote"
+  ;;
+kfig)
+  # the kernels figure alone, with dispatch v4 (its kernels compile once per world size:
+  # allow more than the `kernels` phase does)
+  timeout 560 python benchmarks/kernels.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
+    > "$OUT/kernels.log" 2>&1
+  echo "kernels rc=$?"; tail -16 "$OUT/kernels.log"
   ;;
 kernels)
   # the Triton per-row sum / mask positions and the dispatch kernels bitwise on CUDA, then
@@ -217,5 +226,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|bal64|lowcoll|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac
