@@ -33,26 +33,11 @@ import torch.distributed as dist
 from freescale.balance.hook import BalanceHook
 from freescale.balance.planner import BalanceConfig
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
+from freescale.pipeline.bench_e2e import InRankReorder
 from freescale.pipeline.distributed import init_distributed
 from freescale.pipeline.trainer import Trainer, TrainerHook
 
 F64_TOL = 1e-12  # DESIGN.md section 1, tier 2
-
-
-class Reorder(TrainerHook):
-    """A legal placement change: a seeded permutation of the samples inside a rank."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def on_batch(self, trainer, step, batch):  # noqa: ANN001, ANN201, D102
-        g = torch.Generator().manual_seed(self.seed * 7919 + step * 31 + trainer.rank)
-        perm = torch.randperm(batch.batch_size, generator=g)
-        if batch.batch_size > 1 and torch.equal(perm, torch.arange(batch.batch_size)):
-            perm = perm.flip(0)
-        out = batch.select(perm)
-        out.extras = dict(batch.extras)
-        return out
 
 
 def _cfg(a: argparse.Namespace, dtype: str, world: int) -> TrainConfig:
@@ -86,7 +71,7 @@ def _hooks(name: str) -> list[TrainerHook]:
     if name == "vanilla":
         return []
     if name.startswith("reorder"):
-        return [Reorder(int(name[len("reorder") :]))]
+        return [InRankReorder(salt=int(name[len("reorder") :]))]
     return [BalanceHook(BalanceConfig(partitioner=name))]
 
 

@@ -75,6 +75,7 @@ from .trainer import Trainer, TrainerHook
 
 __all__ = [
     "DIAGNOSTIC_VARIANTS",
+    "InRankReorder",
     "VARIANTS",
     "run_e2e",
     "write_report",
@@ -132,7 +133,7 @@ _OVERLAP = {"freescale_nccl_overlap": "default"}
 BREAKDOWN = ("data", "embedding", "dense", "optimizer", "metrics")
 
 
-class _Reorder(TrainerHook):
+class InRankReorder(TrainerHook):
     """A legal reordering: every rank trains its samples in a permuted order (fixed by
     seed, step and rank; ``salt`` picks another order). Changes only summation orders:
     the NE noise floor."""
@@ -222,7 +223,7 @@ def run_variant(
         balance = BalanceHook(BalanceConfig(partitioner=partitioner))
         hooks.append(balance)
     if variant in ("vanilla_reordered", "vanilla_reordered_b"):
-        hooks.append(_Reorder(salt=int(variant.endswith("_b"))))
+        hooks.append(InRankReorder(salt=int(variant.endswith("_b"))))
     hooks.append(rec)
     tr = Trainer(cfg, hooks=hooks, ctx=ctx)
     if tr.world_size != world or tr.rank != rank:
