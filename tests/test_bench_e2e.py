@@ -89,6 +89,11 @@ def test_e2e_report_numerics(pool2, tmp_path):
     for r in on_disk["rows"]:
         for key in ("qps", "eval_ne", "stage_ms", "breakdown_ms", "ne_curve", "activity"):
             assert key in r, key
+        # host CPU per thread group over the timed steps (Linux /proc; no timing asserted)
+        hc = r["summary"]["host_cpu"]
+        if os.path.isdir("/proc/self/task"):
+            assert hc["steps"] > 0 and "training" in hc["by_group_ms_per_step"], hc
+    assert "host cpu/wall" in md
 
     # --- numerics
     rows = {r["variant"]: r for r in report["rows"]}

@@ -337,6 +337,13 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"straggler share (median over steps): {s['straggler_share_median']:.3f}")
     stages = ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items())
     print(f"stage ms (rank 0, mean): {stages}")
+    hc = s.get("host_cpu")
+    if hc:
+        groups = ", ".join(f"{k} {v:.1f}" for k, v in hc["by_group_ms_per_step"].items())
+        print(
+            f"host CPU ms per step (rank 0): {groups}; process {hc['process_cpu_ms_per_step']:.1f}"
+            f" over {hc['wall_ms_per_step']:.1f} wall (cpu/wall {hc['cpu_over_wall']:.2f})"
+        )
     acc = s.get("gpu_accounting")
     if acc and acc.get("available"):
         print(

@@ -6,6 +6,7 @@ used for training.
 """
 
 from freescale.metrics.auc import HAVE_TORCHMETRICS, AUCAccumulator, auc, reference_auc
+from freescale.metrics.host_cpu import ThreadCpuMeter
 from freescale.metrics.ne import (
     ETA,
     NEAccumulator,
@@ -28,5 +29,6 @@ __all__ = [
     "auc",
     "reference_auc",
     "Rates",
+    "ThreadCpuMeter",
     "ThroughputMeter",
 ]

@@ -580,6 +580,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + [f"ms {b}" for b in BREAKDOWN]
         + [f"GPU {g}" for g in gpu]
         + list(acts)
+        + ["host CPU ms training thread", "host CPU ms process", "host cpu/wall"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -597,6 +598,16 @@ def _markdown(report: dict[str, Any]) -> str:
         cells += [f"{r['breakdown_ms'].get(b, 0.0):.2f}" for b in BREAKDOWN]
         cells += [("n/a" if _acct(r, g) is None else f"{_acct(r, g):.2f}") for g in gpu]
         cells += [str(r["activity"].get(a, 0)) for a in acts]
+        hc = (r.get("summary") or {}).get("host_cpu")
+        cells += (
+            [
+                f"{hc['by_group_ms_per_step'].get('training', 0.0):.1f}",
+                f"{hc['process_cpu_ms_per_step']:.1f}",
+                f"{hc['cpu_over_wall']:.2f}",
+            ]
+            if hc
+            else ["n/a"] * 3
+        )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Headline (freescale vs vanilla):", ""]
     for k, v in report["headline"].items():
@@ -606,7 +617,9 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "GPU columns: per step over the profiled last steps, mean over ranks "
-        "(freescale.pipeline.accounting).",
+        "(freescale.pipeline.accounting). Host CPU columns: rank 0, CPU ms per timed step "
+        "of the training thread and of the whole process, and process CPU / wall "
+        "(freescale.metrics.host_cpu; Python threads share one interpreter lock).",
     ]
     proj = report.get("projection")
     if proj:

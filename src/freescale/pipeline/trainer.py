@@ -46,6 +46,7 @@ from ..data.loader import PrefetchingLoader
 from ..data.validate import BadInputError, validate_batch
 from ..embedding.prioritized import make_embedding_collection
 from ..metrics.auc import AUCAccumulator
+from ..metrics.host_cpu import ThreadCpuMeter
 from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
 from .data_stage import DataStageThread, PreparedBatch
@@ -675,6 +676,8 @@ class Trainer:
         prof_steps = min(cfg.profile_steps, max(0, steps - warmup - 1))
         prof_first = last - prof_steps + 1 if prof_steps > 0 else None
         acc = _LoopAccumulator(first + warmup, (prof_first or last + 1) - 1)
+        cpu_meter = ThreadCpuMeter()  # host CPU per thread over the timed steps
+        host_cpu: dict[str, Any] | None = None
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
@@ -696,6 +699,7 @@ class Trainer:
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
+                    cpu_meter.start()
                     if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
                         # diagnosis: warn at every call site that synchronises the device
                         # (once per site; a host-bound step shows its syncs here)
@@ -706,6 +710,7 @@ class Trainer:
                         pending = None
                     self._sync()
                     t_stop = time.perf_counter()
+                    host_cpu = cpu_meter.stop(acc.timed_steps)
                     profiler = _start_profiler(self.device)
                 marks = _Marks(self.device) if self.events_timing else None
                 if marks is not None:
@@ -762,6 +767,7 @@ class Trainer:
         self._sync()
         if t_stop is None:
             t_stop = time.perf_counter()
+            host_cpu = cpu_meter.stop(acc.timed_steps)
         wall = t_stop - t_start if t_start is not None else 0.0
         accounting = None
         if profiler is not None:
@@ -789,6 +795,8 @@ class Trainer:
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             "cpu_threads": self.cpu_threads,
+            # host CPU ms per step by thread group over the timed steps (metrics.host_cpu)
+            "host_cpu": host_cpu,
             "data_thread": {
                 "on": self.data_thread,
                 "steps": self.data_stage_steps,

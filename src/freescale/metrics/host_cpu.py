@@ -1,0 +1,133 @@
+"""Host CPU time per thread group over a window of training steps.
+
+Owns the question "is the host, not the device, what bounds the step?". A GPU step is
+host-bound when the Python threads that launch work (the training thread, the autograd
+engine's device threads, the data-stage thread, the communicators' workers) need, in
+CPU time, about as long as the step takes: they share one interpreter lock, so their
+CPU times add up. :class:`ThreadCpuMeter` reads every thread's user + system time from
+``/proc/self/task`` (Linux; elsewhere it reports nothing) at the start and the end of
+a window, groups the threads by role and returns CPU milliseconds per step next to the
+wall milliseconds per step. It never touches the device; reading ``/proc`` costs about
+a millisecond, done twice per window, not per step.
+
+Resolution: the kernel counts thread CPU time in clock ticks (usually 10 ms), so a
+window should span a few hundred milliseconds at least; the process total comes from
+``os.times()`` and the calling thread's own time from ``time.thread_time()``, both finer.
+Threads that exit inside the window are not counted (their time is lost with them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ThreadCpuMeter", "CpuSnapshot", "thread_group"]
+
+_TASKS = "/proc/self/task"
+
+
+def thread_group(kernel_name: str, python_name: str, is_caller: bool) -> str:
+    """Role of a thread: ``training`` (the thread that runs the loop), ``autograd``
+    (torch's device threads), ``data_stage``, ``comm_workers`` (FreeScale's
+    communicator workers), ``gloo`` (gloo's I/O loops) or ``other``."""
+    if is_caller:
+        return "training"
+    if kernel_name.startswith("pt_autograd"):
+        return "autograd"
+    if python_name.startswith("freescale-data-stage"):
+        return "data_stage"
+    if python_name.startswith("freescale-"):
+        return "comm_workers"
+    if kernel_name.startswith(("gloo", "pt_gloo")):
+        return "gloo"
+    return "other"
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds at one instant: per thread id ``(kernel name, seconds)``, the
+    process total, the caller's own thread time and the wall clock."""
+
+    threads: dict[int, tuple[str, float]]
+    process_s: float
+    caller_s: float
+    wall_s: float
+
+
+def _read_threads(tick: float) -> dict[int, tuple[str, float]]:
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/stat") as fh:
+                st = fh.read()
+        except OSError:  # the thread exited meanwhile
+            continue
+        name = st[st.index("(") + 1 : st.rindex(")")]
+        fields = st[st.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * tick)
+    return out
+
+
+class ThreadCpuMeter:
+    """``start()`` at the first step of a window, ``stop(steps)`` after its last; the
+    result is ``None`` where ``/proc/self/task`` is missing (not Linux)."""
+
+    def __init__(self) -> None:
+        self.available = os.path.isdir(_TASKS)
+        try:
+            self._tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+            self._tick, self.available = 0.01, False
+        self._start: CpuSnapshot | None = None
+        self._caller = threading.get_native_id()
+
+    def snapshot(self) -> CpuSnapshot | None:
+        if not self.available:
+            return None
+        t = os.times()
+        return CpuSnapshot(
+            threads=_read_threads(self._tick),
+            process_s=t.user + t.system,
+            caller_s=time.thread_time(),
+            wall_s=time.perf_counter(),
+        )
+
+    def start(self) -> None:
+        """Begin the window (on the thread that runs the loop: it is ``training``)."""
+        self._caller = threading.get_native_id()
+        self._start = self.snapshot()
+
+    def stop(self, steps: int) -> dict[str, Any] | None:
+        """CPU ms per step by thread group over the window (``steps`` steps), the
+        process total, the wall ms per step and ``cpu_over_wall`` (process CPU / wall:
+        near or above 1 with the GIL means the Python threads are saturated)."""
+        a, b = self._start, self.snapshot()
+        self._start = None
+        if a is None or b is None or steps <= 0 or b.wall_s <= a.wall_s:
+            return None
+        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+        groups: dict[str, float] = {}
+        for tid, (kname, cpu) in b.threads.items():
+            if tid == self._caller:
+                continue  # measured finely below
+            prev = a.threads.get(tid, (kname, 0.0))[1]
+            g = thread_group(kname, names.get(tid, ""), False)
+            groups[g] = groups.get(g, 0.0) + (cpu - prev)
+        groups["training"] = b.caller_s - a.caller_s
+        per = 1e3 / steps
+        wall = (b.wall_s - a.wall_s) * per
+        process = (b.process_s - a.process_s) * per
+        return {
+            "steps": int(steps),
+            "wall_ms_per_step": wall,
+            "process_cpu_ms_per_step": process,
+            "cpu_over_wall": process / wall if wall > 0 else float("nan"),
+            "by_group_ms_per_step": {k: v * per for k, v in sorted(groups.items())},
+        }

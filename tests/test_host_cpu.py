@@ -1,0 +1,64 @@
+"""Host CPU time per thread group (freescale.metrics.host_cpu)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from freescale.metrics.host_cpu import ThreadCpuMeter, thread_group
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="per-thread CPU time needs Linux /proc"
+)
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    x = 0
+    while time.thread_time() < end:
+        x += 1
+
+
+def test_thread_groups() -> None:
+    assert thread_group("python", "", True) == "training"
+    assert thread_group("pt_autograd_0", "", False) == "autograd"
+    assert thread_group("python", "freescale-data-stage-rank0", False) == "data_stage"
+    assert thread_group("python", "freescale-copy-engine-0", False) == "comm_workers"
+    assert thread_group("gloo_tcp_loop", "", False) == "gloo"
+    assert thread_group("python", "Thread-3", False) == "other"
+
+
+def test_meter_attributes_cpu_time_to_the_right_threads() -> None:
+    """A worker named like FreeScale's communicator workers spins 0.3 s of CPU while the
+    caller spins 0.2 s: both show up in their groups (per step: / 10), within the
+    kernel's tick resolution, and the process total covers both. The worker stays alive
+    until the window closes (an exited thread's time leaves /proc with it)."""
+    meter = ThreadCpuMeter()
+    assert meter.available
+    go, done, release = threading.Event(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        go.wait()
+        _spin(0.3)
+        done.set()
+        release.wait()
+
+    th = threading.Thread(target=work, name="freescale-test-worker")
+    th.start()
+    meter.start()
+    go.set()
+    _spin(0.2)
+    assert done.wait(timeout=30)
+    out = meter.stop(steps=10)
+    release.set()
+    th.join()
+    assert out is not None
+    g = out["by_group_ms_per_step"]
+    assert g["training"] == pytest.approx(20.0, abs=3.0)  # 0.2 s / 10 steps
+    assert g["comm_workers"] == pytest.approx(30.0, abs=5.0)  # 0.3 s / 10, 10 ms ticks
+    assert out["process_cpu_ms_per_step"] >= 45.0
+    assert out["wall_ms_per_step"] > 0 and out["cpu_over_wall"] > 0
+    assert meter.stop(steps=10) is None  # one stop per start
