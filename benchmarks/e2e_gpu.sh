@@ -35,6 +35,8 @@
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
+#   bash benchmarks/e2e_gpu.sh checks9 # ~8.5 min, one call: bal64, exposed_comm.py with and
+#                                      # without prepare_backward, hostt (<= 8 files in $OUT)
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -195,6 +197,21 @@ r['activity'].get('copy_engine_device_completions')) for r in json.load(open(sys
     "$OUT/e2e_smfree/e2e.json"
   rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
   ;;
+checks9)
+  bash "$0" bal64
+  for v in prepare late; do
+    extra=""; [ "$v" = late ] && extra="--late-prepare"
+    mkdir -p "$OUT/xc_$v"
+    timeout 170 python -m torch.distributed.run --nproc-per-node 2 benchmarks/exposed_comm.py \
+      --out "$OUT/xc_$v" --git-sha "${FREESCALE_GIT_SHA:-}" $extra > "/tmp/xc_$v.log" 2>&1
+    echo "exposed_comm $v rc=$?"; grep -E '^\[|"reduction"|"fraction_of_floor"|"fit_r2"' "/tmp/xc_$v.log"
+    rm -f "$OUT/xc_$v"/*.png
+  done
+  bash "$0" hostt
+  for mode in vanilla freescale; do
+    cat "$OUT"/hostt_"$mode"/*.txt > "$OUT/host_time_$mode.txt" && rm -rf "$OUT/hostt_$mode"
+  done
+  ;;
 bal64)
   timeout 300 python -m torch.distributed.run --nproc-per-node 2 benchmarks/check_balance_cuda.py \
     --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/balance_cuda_check.log" 2>&1
@@ -214,7 +231,8 @@ hostt)
     FS_HOSTT=1 FS_HOSTT_WARM=20 FS_HOSTT_OUT="$OUT/hostt_$mode" PYTHONPATH=benchmarks/host_time:src \
       timeout 100 python -m freescale.cli train --device cuda --nproc 2 --steps 60 --mode "$mode" \
       --timing events --zipf-s 0.6 --no-progress --eval-every 0 > "/tmp/hostt_$mode.log" 2>&1
-    echo "$mode rc=$?"; grep -E "QPS" "/tmp/hostt_$mode.log"; head -12 "$OUT"/hostt_"$mode"/*.txt
+    echo "$mode rc=$?"; grep -E "QPS|host CPU" "/tmp/hostt_$mode.log"; head -12 "$OUT"/hostt_"$mode"/*.txt
+    grep -h -A8 "thread CPU" "$OUT"/hostt_"$mode"/*.txt
   done
   ;;
 ablate)
@@ -226,5 +244,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac
