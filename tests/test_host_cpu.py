@@ -25,8 +25,11 @@ def _spin(seconds: float) -> None:
 def test_thread_groups() -> None:
     assert thread_group("python", "", True) == "training"
     assert thread_group("pt_autograd_0", "", False) == "autograd"
-    assert thread_group("python", "freescale-data-stage-rank0", False) == "data_stage"
+    assert thread_group("python", "freescale-data-stage-rank0", False) == "data"
+    assert thread_group("python", "freescale-loader-rank1", False) == "data"
     assert thread_group("python", "freescale-copy-engine-0", False) == "comm_workers"
+    assert thread_group("python", "freescale-host-staged-1", False) == "comm_workers"
+    assert thread_group("python", "freescale-watchdog", False) == "watchdog"
     assert thread_group("gloo_tcp_loop", "", False) == "gloo"
     assert thread_group("python", "Thread-3", False) == "other"
 
@@ -46,7 +49,7 @@ def test_meter_attributes_cpu_time_to_the_right_threads() -> None:
         done.set()
         release.wait()
 
-    th = threading.Thread(target=work, name="freescale-test-worker")
+    th = threading.Thread(target=work, name="freescale-copy-engine-test")
     th.start()
     meter.start()
     go.set()

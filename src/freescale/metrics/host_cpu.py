@@ -31,16 +31,19 @@ _TASKS = "/proc/self/task"
 
 def thread_group(kernel_name: str, python_name: str, is_caller: bool) -> str:
     """Role of a thread: ``training`` (the thread that runs the loop), ``autograd``
-    (torch's device threads), ``data_stage``, ``comm_workers`` (FreeScale's
-    communicator workers), ``gloo`` (gloo's I/O loops) or ``other``."""
+    (torch's device threads), ``data`` (the data-stage thread and the loader),
+    ``comm_workers`` (the SM-free communicators' workers), ``watchdog`` (heartbeat and
+    collective watchdog), ``gloo`` (gloo's I/O loops) or ``other``."""
     if is_caller:
         return "training"
     if kernel_name.startswith("pt_autograd"):
         return "autograd"
-    if python_name.startswith("freescale-data-stage"):
-        return "data_stage"
-    if python_name.startswith("freescale-"):
+    if python_name.startswith(("freescale-data-stage", "freescale-loader")):
+        return "data"
+    if python_name.startswith(("freescale-copy-engine", "freescale-host-staged")):
         return "comm_workers"
+    if python_name.startswith(("freescale-heartbeat", "freescale-watchdog")):
+        return "watchdog"
     if kernel_name.startswith(("gloo", "pt_gloo")):
         return "gloo"
     return "other"
