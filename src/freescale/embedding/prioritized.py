@@ -965,19 +965,29 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if p is not None and not block and p.host_ready is not None:
             if not p.host_ready.query():
                 return False
+        ctx.prepared_event = self._gradient_free_part(ctx, lookahead=True)
+        ctx.prepared = True
+        self.pstats.prepared_steps += 1
+        return True
+
+    def _gradient_free_part(self, ctx: _StepCtx, lookahead: bool) -> Any:
+        """The part of t's backward that needs no gradient of t, in this order: (b)'s
+        mask read and owner split (ahead of (a), see :meth:`_exchange_masks`), (a) the
+        deferred update of t-1, then (b)'s second half (only with ``lookahead``: a stale
+        step has none). Returns the side-stream event after (a) (None on CPU), which the
+        compute stream waits for before it touches a row."""
+        p = ctx.pending if lookahead else None
         with self._on_side():
-            if p is not None:  # the mask read and the owner split, ahead of (a)
+            if p is not None:
                 self._exchange_masks(p)
             if self._deferred is not None and self._mutation != "early_exclusive_lookup":
                 self._apply_deferred()  # (a)
-        ctx.prepared_event = self._event_on_side()
+        ev_a = self._event_on_side()
         if p is not None:  # (b), second half
             ctx.ahead, ctx.split = self._look_ahead_finish(p, ctx.stream)
             ctx.pending = None
             self._ahead, self._pending = ctx.ahead, None
-        ctx.prepared = True
-        self.pstats.prepared_steps += 1
-        return True
+        return ev_a
 
     def _backward_of_step(self, ctx: _StepCtx, grad: torch.Tensor) -> None:
         stale = ctx.generation != self._generation or ctx.done
@@ -988,21 +998,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()
         )
         with stream_cm:
+            if not ctx.prepared:  # else prepare_backward did it
+                ctx.prepared_event = self._gradient_free_part(ctx, lookahead=not stale)
             if ctx.prepared_event is not None:  # (a) before this stream touches a row
                 ctx.stream.wait_event(ctx.prepared_event)
-            if not stale and ctx.pending is not None:  # (b)'s mask read, ahead of (a)
-                with self._on_side():
-                    self._exchange_masks(ctx.pending)
-            if self._deferred is not None and self._mutation != "early_exclusive_lookup":
-                with self._on_side():  # (a), before anything below reads or writes rows
-                    self._apply_deferred()
-                ev_a = self._event_on_side()
-                if ev_a is not None:
-                    ctx.stream.wait_event(ev_a)
-            if not stale and ctx.pending is not None:  # (b), second half
-                ctx.ahead, ctx.split = self._look_ahead_finish(ctx.pending, ctx.stream)
-                ctx.pending = None
-                self._ahead, self._pending = ctx.ahead, None
             if stale or ctx.split is None:
                 self._grad_exchange_and_update(ctx.dist, grad)
                 self.pstats.sync_steps += 1
