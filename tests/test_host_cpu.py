@@ -65,3 +65,31 @@ def test_meter_attributes_cpu_time_to_the_right_threads() -> None:
     assert out["process_cpu_ms_per_step"] >= 45.0
     assert out["wall_ms_per_step"] > 0 and out["cpu_over_wall"] > 0
     assert meter.stop(steps=10) is None  # one stop per start
+
+
+def test_a_thread_that_exits_inside_the_window_counts_if_it_says_so() -> None:
+    """The data stage and the loader call note_thread_exit as they end: their CPU time
+    stays in the window; a thread that does not is lost with its /proc entry."""
+    from freescale.metrics.host_cpu import note_thread_exit
+
+    meter = ThreadCpuMeter()
+    go = threading.Event()
+
+    def work(note: bool) -> None:
+        go.wait()
+        _spin(0.2)
+        if note:
+            note_thread_exit()
+
+    noted = threading.Thread(target=work, args=(True,), name="freescale-loader-rank0")
+    silent = threading.Thread(target=work, args=(False,), name="freescale-data-stage-rank0")
+    noted.start()
+    silent.start()
+    meter.start()
+    go.set()
+    noted.join()
+    silent.join()
+    out = meter.stop(steps=10)
+    assert out is not None
+    # 0.2 s / 10 steps from the noted thread; nothing from the silent one
+    assert out["by_group_ms_per_step"]["data"] == pytest.approx(20.0, abs=3.0)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from freescale.data.batch import JaggedBatch
+from freescale.metrics.host_cpu import note_thread_exit
 
 __all__ = ["PrefetchingLoader", "LoaderError", "BatchSource", "put_until_stopped"]
 
@@ -113,13 +114,19 @@ class PrefetchingLoader:
         self._consumed = 0
         self._finished = False
         self._thread = threading.Thread(
-            target=self._produce, name=f"freescale-loader-rank{rank}", daemon=True
+            target=self._run, name=f"freescale-loader-rank{rank}", daemon=True
         )
         self._thread.start()
 
     # ---------------------------------------------------------------- producer
     def _put(self, item: object) -> bool:
         return put_until_stopped(self._queue, item, self._stop)
+
+    def _run(self) -> None:
+        try:
+            self._produce()
+        finally:
+            note_thread_exit()  # its CPU time, for the trainer's host-CPU window
 
     def _produce(self) -> None:
         for step in self.steps:

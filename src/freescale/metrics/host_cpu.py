@@ -13,7 +13,8 @@ a millisecond, done twice per window, not per step.
 Resolution: the kernel counts thread CPU time in clock ticks (usually 10 ms), so a
 window should span a few hundred milliseconds at least; the process total comes from
 ``os.times()`` and the calling thread's own time from ``time.thread_time()``, both finer.
-Threads that exit inside the window are not counted (their time is lost with them).
+A thread that exits inside the window counts if it called :func:`note_thread_exit` (the
+data stage and the loader do); other exited threads are lost with their ``/proc`` entry.
 """
 
 from __future__ import annotations
@@ -24,9 +25,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ThreadCpuMeter", "CpuSnapshot", "thread_group"]
+__all__ = ["ThreadCpuMeter", "CpuSnapshot", "thread_group", "note_thread_exit"]
 
 _TASKS = "/proc/self/task"
+# CPU seconds of worker threads at their exit (tid -> (Python name, seconds)): a thread
+# that ends inside a window takes its /proc entry with it
+_EXITED: dict[int, tuple[str, float]] = {}
+_EXITED_LOCK = threading.Lock()
+
+
+def note_thread_exit() -> None:
+    """Call at the end of a worker thread's run (the data stage, the loader): its CPU
+    time is kept for a meter whose window outlives the thread."""
+    with _EXITED_LOCK:
+        _EXITED[threading.get_native_id()] = (threading.current_thread().name, time.thread_time())
 
 
 def thread_group(kernel_name: str, python_name: str, is_caller: bool) -> str:
@@ -117,12 +129,18 @@ class ThreadCpuMeter:
             return None
         names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
         groups: dict[str, float] = {}
+        with _EXITED_LOCK:
+            exited = {t: _EXITED.pop(t) for t in list(_EXITED) if t in a.threads}
         for tid, (kname, cpu) in b.threads.items():
             if tid == self._caller:
                 continue  # measured finely below
             prev = a.threads.get(tid, (kname, 0.0))[1]
             g = thread_group(kname, names.get(tid, ""), False)
             groups[g] = groups.get(g, 0.0) + (cpu - prev)
+        for tid, (pyname, cpu) in exited.items():  # ended inside the window
+            if tid not in b.threads:
+                g = thread_group(a.threads[tid][0], pyname, False)
+                groups[g] = groups.get(g, 0.0) + max(0.0, cpu - a.threads[tid][1])
         groups["training"] = b.caller_s - a.caller_s
         per = 1e3 / steps
         wall = (b.wall_s - a.wall_s) * per

@@ -44,6 +44,7 @@ import torch
 
 from freescale.data.batch import JaggedBatch
 from freescale.data.loader import put_until_stopped
+from freescale.metrics.host_cpu import note_thread_exit
 
 __all__ = ["DataStageThread", "PreparedBatch"]
 
@@ -114,6 +115,12 @@ class DataStageThread:
         return put_until_stopped(self._queue, item, self._stop)
 
     def _run(self) -> None:
+        try:
+            self._produce()
+        finally:
+            note_thread_exit()  # its CPU time, for the trainer's host-CPU window
+
+    def _produce(self) -> None:
         if self._num_threads is not None:  # explicit: the trainer's count, on this thread too
             torch.set_num_threads(self._num_threads)
         for step in self._steps:

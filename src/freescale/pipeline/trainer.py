@@ -757,6 +757,8 @@ class Trainer:
             self.flush()  # deferred updates are applied before the error propagates
             raise
         finally:
+            if t_stop is None:  # before the data-stage thread exits (its CPU time with it)
+                host_cpu = cpu_meter.stop(acc.timed_steps)
             if stage is not None:
                 stage.close()
                 self._stage = None
@@ -767,7 +769,6 @@ class Trainer:
         self._sync()
         if t_stop is None:
             t_stop = time.perf_counter()
-            host_cpu = cpu_meter.stop(acc.timed_steps)
         wall = t_stop - t_start if t_start is not None else 0.0
         accounting = None
         if profiler is not None:
