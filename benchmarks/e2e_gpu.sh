@@ -198,6 +198,19 @@ r['activity'].get('copy_engine_device_completions')) for r in json.load(open(sys
     "$OUT/e2e_smfree/e2e.json"
   rm -rf "$OUT/e2e_smfree/traces" "$OUT"/e2e_smfree/*.png
   ;;
+s9a)
+  # session 9 first call (~6 min): prepare_backward's refactor (_gradient_free_part) re-checked
+  # at tier 1 on CUDA, then bal64, then exposed_comm.py with prepare_backward
+  timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
+  echo "check_prioritized_cuda rc=$?"; tail -4 "$OUT/verify_prioritized.log"
+  bash "$0" bal64
+  mkdir -p "$OUT/xc_prepare"
+  timeout 170 python -m torch.distributed.run --nproc-per-node 2 benchmarks/exposed_comm.py \
+    --out "$OUT/xc_prepare" --git-sha "${FREESCALE_GIT_SHA:-}" > "/tmp/xc_prepare.log" 2>&1
+  echo "exposed_comm prepare rc=$?"; grep -E '^\[|"reduction"|"fraction_of_floor"|"fit_r2"' /tmp/xc_prepare.log
+  rm -f "$OUT/xc_prepare"/*.png
+  ;;
 checks9)
   bash "$0" bal64
   for v in prepare late; do
@@ -241,5 +254,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac
