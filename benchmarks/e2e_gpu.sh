@@ -211,6 +211,23 @@ s9a)
   echo "exposed_comm prepare rc=$?"; grep -E '^\[|"reduction"|"fraction_of_floor"|"fit_r2"' /tmp/xc_prepare.log
   rm -f "$OUT/xc_prepare"/*.png
   ;;
+s9b)
+  # (~6.5 min) early vs late prepare_backward at 1,000 steps (freescale fell from 6,503 to
+  # 6,047 QPS between 40571f4 and 0765dec), then freescale_nccl_overlap, which ran past
+  # the ablate phase's limit at 0765dec: 200 steps each way with a 30 s collective timeout
+  timeout 260 $E2E --out "$OUT/e2e_prep" --nproc 2 --steps "$STEPS" \
+    --variants vanilla freescale freescale_late_prepare > "$OUT/e2e_prep.log" 2>&1
+  echo "prep rc=$?"; grep -E "^\| " "$OUT/e2e_prep/e2e.md" | cut -c1-400
+  rm -rf "$OUT/e2e_prep/traces" "$OUT"/e2e_prep/*.png
+  for v in early late; do
+    extra=""; [ "$v" = late ] && extra="--late-prepare"
+    timeout 80 python -m freescale.cli train --device cuda --nproc 2 --steps 200 --mode freescale \
+      --overlap-backend default --timeout 30 --timing events --zipf-s 0.6 --eval-every 0 $extra \
+      > "$OUT/ncclov_$v.log" 2>&1
+    echo "nccl overlap $v rc=$?"; grep -E "QPS|Error|error|timed out|Timeout" "$OUT/ncclov_$v.log" | tail -5
+    tail -c 600 "$OUT/ncclov_$v.log"
+  done
+  ;;
 checks9)
   bash "$0" bal64
   for v in prepare late; do
@@ -254,5 +271,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

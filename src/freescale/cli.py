@@ -110,6 +110,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else device. Bit-identical",
     )
     p.add_argument(
+        "--late-prepare",
+        action="store_true",
+        help="prioritized: run the gradient-free part of the backward when the dense "
+        "backward reaches the embeddings, not between the forward and loss.backward() "
+        "(TrainConfig.early_prepare=False; same bits)",
+    )
+    p.add_argument(
         "--sparse-update",
         choices=["auto", "sync", "padded", "ahead"],
         default="auto",
@@ -240,6 +247,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         timing=args.timing,
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
+        early_prepare=not getattr(args, "late_prepare", False),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,
