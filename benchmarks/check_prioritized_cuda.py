@@ -94,6 +94,7 @@ def main() -> int:
                 "rank0_mismatched": diff,
                 "counters": ps,
                 "side_streams": bool(getattr(tr.sparse, "side_streams", False)),
+                "prepare_blocks": bool(getattr(tr.sparse, "prepare_blocks", False)),
             }
             rows.append(row)
             bad += int(flag.item() > 0)

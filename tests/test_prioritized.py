@@ -490,6 +490,73 @@ def test_prepare_backward_lifecycle():
     assert torch.equal(w_off, w_ref) and ran_off == [False] * 3 and ps_off.prepared_steps == 0
 
 
+class _NotReadyEvent:
+    """Stands in for the CUDA event of the mask exchange's host copy (CPU has none):
+    not reached yet by the query, complete once waited for."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+@pytest.mark.parametrize("nccl_side", [False, True])
+def test_prepare_backward_decides_collectively_with_a_nccl_side_group(nccl_side):
+    """With a side group whose operations are NCCL kernels, ``prepare_backward`` may not
+    skip on a rank-local event query: NCCL needs operations on different communicators
+    launched in the same order on every rank, and t+1's exclusive rows would go out
+    before the dense backward's all-reduces on one rank and after them on another. So it
+    waits for the mask copy and runs; with any other side group (gloo here, the copy
+    engine, host-staged) a copy that has not reached the host leaves the work to the
+    backward. Same bits either way."""
+
+    def run(force_not_ready: bool):
+        emb = PrioritizedEmbeddingCollection(
+            TABLES, Communicator(None), SparseOptimConfig("adam", lr=0.1), max_collision_rate=1.0
+        )
+        assert emb.prepare_blocks is False  # a gloo / single-process side group
+        emb.prepare_blocks = nccl_side  # what a NCCL side_comm sets (backend_name "nccl")
+        ran, events = [], []
+        for t in (1, 2, 3):
+            emb.set_step(t)
+            out = emb(_features(t), next_features=_features(t + 1) if t < 3 else None)
+            p = emb._open.pending  # type: ignore[union-attr]
+            if force_not_ready and p is not None:
+                p.host_ready = _NotReadyEvent()
+                events.append(p.host_ready)
+            ran.append(emb.prepare_backward())
+            sum((o * (1 + i)).sum() for i, o in enumerate(out.values())).backward()
+        emb.flush()
+        return emb.weight.detach().clone(), ran, events
+
+    w_ref, ran_ref, _ = run(force_not_ready=False)
+    w, ran, events = run(force_not_ready=True)
+    assert ran_ref == [True, True, True]
+    assert torch.equal(w, w_ref)
+    assert len(events) == 2  # steps 1 and 2 look ahead
+    if nccl_side:
+        assert ran == [True, True, True] and all(e.waited for e in events)
+    else:
+        assert ran == [False, False, True]  # step 3 has no lookahead to wait for
+        assert all(e.waited for e in events)  # the backward read the masks instead
+
+
+def test_nccl_side_group_sets_prepare_blocks():
+    """``prepare_blocks`` follows the side communicator's backend."""
+    emb = PrioritizedEmbeddingCollection(TABLES, Communicator(None), SparseOptimConfig("sgd"))
+    assert emb.prepare_blocks is False
+    side = Communicator(None, name="side")
+    side.backend_name = "nccl"  # as Communicator sets it for a NCCL process group
+    emb = PrioritizedEmbeddingCollection(
+        TABLES, Communicator(None), SparseOptimConfig("sgd"), side_comm=side
+    )
+    assert emb.prepare_blocks is True
+
+
 def test_eval_forward_flushes_and_backward_is_required():
     emb = PrioritizedEmbeddingCollection(
         TABLES, Communicator(None), SparseOptimConfig("adam", lr=0.1)

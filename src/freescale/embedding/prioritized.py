@@ -412,6 +412,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             raise ValueError(f"max_collision_rate must be in [0, 1], got {max_collision_rate}")
         self.max_collision_rate = float(max_collision_rate)
         self.side_comm = side_comm if side_comm is not None else _new_group_like(comm)
+        # a NCCL side group: prepare_backward must decide the same way on every rank
+        # (launch order across NCCL communicators; see prepare_backward)
+        self.prepare_blocks = getattr(self.side_comm, "backend_name", "") == "nccl"
         if side_streams is None:
             side_streams = self.device.type == "cuda"
         if side_streams and self.device.type != "cuda":
@@ -954,14 +957,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         same order on every stream and communicator either way (bitwise the same
         results); the compute stream waits for (a) in the backward, not here, so the
         dense backward is not held up. Rank-local (issues no collective out of order:
-        the side group's next operation is t+1's exclusive rows in both places).
-        Returns whether it ran now."""
+        the side group's next operation is t+1's exclusive rows in both places) —
+        except across NCCL communicators: NCCL requires operations on different
+        communicators of one device to be launched in the same order on every rank, and
+        t+1's exclusive rows would go out before the dense backward's all-reduces on one
+        rank and after them on another. So with a NCCL side group
+        (:attr:`prepare_blocks`) the choice is not rank-local: it always runs, waiting
+        for the mask exchange's host copy (which the forward issued early; the wait is
+        short and the GPU still has the dense forward queued). Returns whether it ran
+        now."""
         ctx = self._open
         if not self.early_prepare or ctx is None or ctx.done or ctx.prepared:
             return False
         if ctx.generation != self._generation:
             return False
         p = ctx.pending
+        block = block or self.prepare_blocks
         if p is not None and not block and p.host_ready is not None:
             if not p.host_ready.query():
                 return False
