@@ -38,6 +38,8 @@
 #   bash benchmarks/e2e_gpu.sh checks9 # ~7 min (at most ~9.7), one call: bal64, then
 #                                      # exposed_comm.py with and without prepare_backward
 #                                      # (4 files in $OUT; the e2e summary now has host CPU)
+#   bash benchmarks/e2e_gpu.sh gil     # ~5.5 min: GIL wait per variant; switch interval 0.5 ms
+#                                      # vs 5 (vanilla, freescale); freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -228,6 +230,17 @@ s9b)
     tail -c 600 "$OUT/ncclov_$v.log"
   done
   ;;
+gil)
+  # (~5.5 min) the GIL question, 1,000 steps: every row has the GIL probe's wait; Python's
+  # switch interval at 0.5 ms vs 5 (vanilla and freescale), and freescale_nccl_overlap
+  # (ran past its limit at 0765dec; prepare_backward now decides collectively with a
+  # NCCL side group)
+  timeout 420 $E2E --out "$OUT/e2e_gil" --nproc 2 --steps "$STEPS" --variants vanilla \
+    vanilla_fast_switch freescale freescale_fast_switch freescale_nccl_overlap \
+    > "$OUT/e2e_gil.log" 2>&1
+  echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-500
+  rm -rf "$OUT/e2e_gil/traces" "$OUT"/e2e_gil/*.png
+  ;;
 checks9)
   bash "$0" bal64
   for v in prepare late; do
@@ -271,5 +284,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

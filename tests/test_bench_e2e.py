@@ -61,6 +61,7 @@ def e2e_config() -> TrainConfig:
         dense_lr=1e-2,
         timing="events",
         profile_steps=2,
+        gil_probe_ms=2.0,
     )
 
 
@@ -93,7 +94,8 @@ def test_e2e_report_numerics(pool2, tmp_path):
         hc = r["summary"]["host_cpu"]
         if os.path.isdir("/proc/self/task"):
             assert hc["steps"] > 0 and "training" in hc["by_group_ms_per_step"], hc
-    assert "host cpu/wall" in md
+            assert hc["gil_wait"]["wakes"] >= 0, hc  # the probe ran (no timing asserted)
+    assert "host cpu/wall" in md and "GIL wait p99 ms" in md
 
     # --- numerics
     rows = {r["variant"]: r for r in report["rows"]}
@@ -182,9 +184,14 @@ def test_diagnostic_variants_force_one_setting_only():
         "vanilla_padded_update": ("vanilla", "vanilla", "padded"),
         "freescale_padded_update": ("freescale", "prioritized", "padded"),
     }
-    assert set(pairs) | {"freescale_host_completion", "freescale_late_prepare"} == set(
-        DIAGNOSTIC_VARIANTS
-    )
+    others = {"freescale_host_completion", "freescale_late_prepare"}
+    switch = {"vanilla_fast_switch": "vanilla", "freescale_fast_switch": "freescale"}
+    assert set(pairs) | others | set(switch) == set(DIAGNOSTIC_VARIANTS)
+    for diag, twin in switch.items():
+        mode = "vanilla" if twin == "vanilla" else "prioritized"
+        got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
+        assert got.gil_switch_interval_ms == 0.5 and ref.gil_switch_interval_ms is None
+        assert got == dataclasses.replace(ref, gil_switch_interval_ms=0.5, log_path=got.log_path)
     for diag, (twin, mode, update) in pairs.items():
         got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
         assert got.sparse_update == update and ref.sparse_update == base.sparse_update

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from freescale.metrics.host_cpu import ThreadCpuMeter, thread_group
+from freescale.metrics.host_cpu import GilProbe, ThreadCpuMeter, thread_group
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task"), reason="per-thread CPU time needs Linux /proc"
@@ -31,6 +31,7 @@ def test_thread_groups() -> None:
     assert thread_group("python", "freescale-host-staged-1", False) == "comm_workers"
     assert thread_group("python", "freescale-watchdog", False) == "watchdog"
     assert thread_group("gloo_tcp_loop", "", False) == "gloo"
+    assert thread_group("python", "freescale-gil-probe", False) == "probe"
     assert thread_group("python", "Thread-3", False) == "other"
 
 
@@ -93,3 +94,25 @@ def test_a_thread_that_exits_inside_the_window_counts_if_it_says_so() -> None:
     assert out is not None
     # 0.2 s / 10 steps from the noted thread; nothing from the silent one
     assert out["by_group_ms_per_step"]["data"] == pytest.approx(20.0, abs=3.0)
+
+
+def test_gil_probe_statistics() -> None:
+    """The probe's record: wakes counted, percentiles ordered, one start per stop (no
+    timing asserted: lateness depends on the machine)."""
+    with pytest.raises(ValueError, match="period_ms"):
+        GilProbe(0.0)
+    probe = GilProbe(period_ms=1.0)
+    assert probe.stop() is None  # never started
+    probe.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        probe.start()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:  # the caller holds the lock in Python code
+        _spin(0.001)
+    out = probe.stop()
+    assert out is not None and out["wakes"] > 0 and out["period_ms"] == 1.0
+    assert 0.0 <= out["p50_ms"] <= out["p90_ms"] <= out["p99_ms"] <= out["max_ms"]
+    assert 0.0 <= out["share_over_1ms"] <= 1.0 and out["mean_ms"] <= out["max_ms"]
+    assert not any(t.name == "freescale-gil-probe" for t in threading.enumerate())
+    probe.start()  # restartable after stop
+    probe.stop()

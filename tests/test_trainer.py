@@ -200,3 +200,43 @@ def test_summary_reports_ne_and_oracle(pool2):
         assert key in s[0]
     assert 0 < s[0]["oracle_ne"] < 1
     assert s[0]["eval_ne"] == pytest.approx(s[1]["eval_ne"])
+
+
+def switch_and_gil(rank, world, cfg):
+    import sys
+
+    before = sys.getswitchinterval()
+    seen = []
+
+    class Watch(TrainerHook):
+        def after_optimizer(self, trainer, step):  # noqa: ANN001
+            seen.append(sys.getswitchinterval())
+
+    tr = Trainer(cfg, hooks=[Watch()])
+    s = tr.train()
+    return s, before, seen, sys.getswitchinterval(), _state(tr)
+
+
+def test_gil_switch_interval_is_set_while_training_and_restored(pool2):
+    """``gil_switch_interval_ms`` holds during the steps and the interpreter's value
+    comes back after; ``gil_probe_ms`` adds the probe's statistics (no timing asserted);
+    parameters are the same bits as without either (host scheduling only)."""
+    cfg = tiny_config(steps=12)
+    ref = pool2.run(train_and_state, cfg)
+    cfg2 = dataclasses.replace(cfg, gil_switch_interval_ms=0.5, gil_probe_ms=1.0)
+    out = pool2.run(switch_and_gil, cfg2)
+    for (s, before, seen, after, state), r in zip(out, ref):
+        assert seen and all(v == pytest.approx(0.5e-3) for v in seen)
+        assert after == before
+        gw = s["host_cpu"]["gil_wait"] if s.get("host_cpu") else None
+        if gw is not None:  # Linux /proc (the meter's window)
+            assert gw["wakes"] > 0 and gw["period_ms"] == 1.0
+            assert gw["p50_ms"] <= gw["p90_ms"] <= gw["p99_ms"] <= gw["max_ms"]
+        for n, (lo, t) in r["tables"].items():
+            assert state["tables"][n][0] == lo and torch.equal(state["tables"][n][1], t), n
+        for k, v in r["dense"].items():
+            assert torch.equal(v, state["dense"][k]), k
+    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+        dataclasses.replace(cfg, gil_switch_interval_ms=0.0)
+    with pytest.raises(ValueError, match="gil_probe_ms"):
+        dataclasses.replace(cfg, gil_probe_ms=-1.0)

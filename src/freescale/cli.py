@@ -110,6 +110,21 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else device. Bit-identical",
     )
     p.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=None,
+        help="Python's thread switch interval while training, ms (default: the "
+        "interpreter's, 5 ms): how long the training thread may wait for the interpreter "
+        "lock behind the data-stage and communicator threads",
+    )
+    p.add_argument(
+        "--gil-probe-ms",
+        type=float,
+        default=0.0,
+        help="measure that wait over the timed steps: a probe thread wakes every this "
+        "many ms and records how late it runs (0 = off; summary line 'GIL wait')",
+    )
+    p.add_argument(
         "--late-prepare",
         action="store_true",
         help="prioritized: run the gradient-free part of the backward when the dense "
@@ -248,6 +263,8 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
         early_prepare=not getattr(args, "late_prepare", False),
+        gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
+        gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         trace_dir=args.trace_dir,
@@ -352,6 +369,14 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"host CPU ms per step (rank 0): {groups}; process {hc['process_cpu_ms_per_step']:.1f}"
             f" over {hc['wall_ms_per_step']:.1f} wall (cpu/wall {hc['cpu_over_wall']:.2f})"
         )
+        gw = hc.get("gil_wait")
+        if gw:
+            print(
+                f"GIL wait (rank 0, probe every {gw['period_ms']:g} ms, {gw['wakes']} wakes): "
+                f"mean {gw['mean_ms']:.2f} ms, p50 {gw['p50_ms']:.2f}, p90 {gw['p90_ms']:.2f}, "
+                f"p99 {gw['p99_ms']:.2f}, max {gw['max_ms']:.1f}; "
+                f"{gw['share_over_1ms']:.0%} of wakes over 1 ms"
+            )
     acc = s.get("gpu_accounting")
     if acc and acc.get("available"):
         print(

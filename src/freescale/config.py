@@ -182,6 +182,14 @@ class TrainConfig:
     # own OpenMP team: torch's default (every core, per process) oversubscribes the host
     # as soon as several ranks share it, and slows host-side batch work several-fold.
     cpu_threads: int | None = None
+    # host: Python's thread switch interval (sys.setswitchinterval) while training, in ms;
+    # None leaves the interpreter's (5 ms by default). A thread that wants the interpreter
+    # lock while another runs Python code waits up to this long: the training thread's
+    # kernel launches wait behind the data-stage and communicator threads. Restored after
+    gil_switch_interval_ms: float | None = None
+    # host: measure that wait over the timed steps (metrics.host_cpu.GilProbe, one wake
+    # per this many ms; 0 = off); reported in the summary's host_cpu["gil_wait"]
+    gil_probe_ms: float = 0.0
     # profile the last `profile_steps` steps (excluded from QPS) with torch.profiler and
     # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
     profile_steps: int = 0
@@ -210,6 +218,12 @@ class TrainConfig:
             raise ValueError("profile_steps must be >= 0")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.gil_switch_interval_ms is not None and not self.gil_switch_interval_ms > 0:
+            raise ValueError(
+                f"gil_switch_interval_ms must be > 0 (or None), got {self.gil_switch_interval_ms}"
+            )
+        if not self.gil_probe_ms >= 0:
+            raise ValueError(f"gil_probe_ms must be >= 0 (0 = off), got {self.gil_probe_ms}")
 
 
 def config_to_dict(cfg: object) -> dict:

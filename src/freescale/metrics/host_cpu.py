@@ -15,17 +15,26 @@ window should span a few hundred milliseconds at least; the process total comes 
 ``os.times()`` and the calling thread's own time from ``time.thread_time()``, both finer.
 A thread that exits inside the window counts if it called :func:`note_thread_exit` (the
 data stage and the loader do); other exited threads are lost with their ``/proc`` entry.
+
+CPU time says how busy the threads are, not whether they wait for each other. The
+:class:`GilProbe` measures that wait: a thread that sleeps a fixed period and, on each
+wake, records how late it got to run again (it needs the interpreter lock to resume).
+On an idle interpreter the lateness is the OS timer's (tens of microseconds); when other
+threads hold the lock in Python code, a thread that wants it waits up to the switch
+interval (``sys.getswitchinterval()``, 5 ms by default) — the same wait the training
+thread sees before it can launch the next kernels. Its own cost: one wake per period.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ThreadCpuMeter", "CpuSnapshot", "thread_group", "note_thread_exit"]
+__all__ = ["ThreadCpuMeter", "CpuSnapshot", "GilProbe", "thread_group", "note_thread_exit"]
 
 _TASKS = "/proc/self/task"
 # CPU seconds of worker threads at their exit (tid -> (Python name, seconds)): a thread
@@ -56,6 +65,8 @@ def thread_group(kernel_name: str, python_name: str, is_caller: bool) -> str:
         return "comm_workers"
     if python_name.startswith(("freescale-heartbeat", "freescale-watchdog")):
         return "watchdog"
+    if python_name.startswith("freescale-gil-probe"):
+        return "probe"
     if kernel_name.startswith(("gloo", "pt_gloo")):
         return "gloo"
     return "other"
@@ -151,4 +162,62 @@ class ThreadCpuMeter:
             "process_cpu_ms_per_step": process,
             "cpu_over_wall": process / wall if wall > 0 else float("nan"),
             "by_group_ms_per_step": {k: v * per for k, v in sorted(groups.items())},
+        }
+
+
+class GilProbe:
+    """Lateness of a thread's wake-ups: how long a Python thread waits for the
+    interpreter lock (plus the OS timer's slack). ``start()`` launches a daemon thread
+    that sleeps ``period_ms`` in a loop; ``stop()`` ends it and returns the wake count,
+    the mean, the 50th / 90th / 99th percentiles and the maximum lateness in ms, and the
+    share of wakes later than 1 ms. Cost: one wake (a few microseconds of CPU with the
+    lock) per period."""
+
+    def __init__(self, period_ms: float = 2.0) -> None:
+        if not period_ms > 0:
+            raise ValueError(f"period_ms must be positive, got {period_ms}")
+        self.period_s = period_ms / 1e3
+        self._late: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        late, period, stop = self._late, self.period_s, self._stop
+        clock = time.perf_counter
+        while not stop.is_set():
+            t0 = clock()
+            time.sleep(period)
+            late.append(clock() - t0 - period)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("GilProbe already started")
+        self._late.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="freescale-gil-probe", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, Any] | None:
+        """The statistics since :meth:`start`; None if it was not started or never woke."""
+        th, self._thread = self._thread, None
+        if th is None:
+            return None
+        self._stop.set()
+        th.join()
+        late = sorted(max(0.0, x) * 1e3 for x in self._late)
+        if not late:
+            return None
+
+        def pct(q: float) -> float:
+            return late[min(len(late) - 1, max(0, math.ceil(q * len(late)) - 1))]
+
+        return {
+            "period_ms": self.period_s * 1e3,
+            "wakes": len(late),
+            "mean_ms": sum(late) / len(late),
+            "p50_ms": pct(0.50),
+            "p90_ms": pct(0.90),
+            "p99_ms": pct(0.99),
+            "max_ms": late[-1],
+            "share_over_1ms": sum(1 for x in late if x > 1.0) / len(late),
         }

@@ -37,7 +37,12 @@ bits), next to ``freescale`` (device completion unless the base config or the
 environment says otherwise) in one run; ``freescale_late_prepare``: freescale with
 ``TrainConfig.early_prepare=False`` (the gradient-free part of the prioritized backward
 runs when the dense backward reaches the embeddings, as before ``prepare_backward``;
-same bits).
+same bits); ``vanilla_fast_switch``, ``freescale_fast_switch``: the variant with Python's
+thread switch interval at 0.5 ms instead of 5 (``TrainConfig.gil_switch_interval_ms``:
+how long the training thread may wait for the interpreter lock behind the data-stage
+and communicator threads; same bits). Every variant runs the GIL probe
+(``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
+report's "GIL wait" columns.
 
 Per variant the report holds the trainer's summary (QPS, mean stage times, straggler
 share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval point),
@@ -100,7 +105,13 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_padded_update",
     "freescale_host_completion",
     "freescale_late_prepare",
+    "vanilla_fast_switch",
+    "freescale_fast_switch",
 )
+# diagnostic variant -> Python's thread switch interval it sets, ms
+# (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
+FAST_SWITCH_MS = 0.5
+_SWITCH = {"vanilla_fast_switch": FAST_SWITCH_MS, "freescale_fast_switch": FAST_SWITCH_MS}
 # diagnostic variant -> the copy engine's completion it forces (TrainConfig.copy_engine_completion)
 _COMPLETION = {"freescale_host_completion": "host"}
 # diagnostic variant -> the sparse update it forces (TrainConfig.sparse_update)
@@ -125,6 +136,8 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_padded_update": ("prioritized", "fbs"),
     "freescale_host_completion": ("prioritized", "fbs"),
     "freescale_late_prepare": ("prioritized", "fbs"),
+    "vanilla_fast_switch": ("vanilla", None),
+    "freescale_fast_switch": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -202,6 +215,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         sparse_update=_UPDATE.get(variant, base.sparse_update),  # type: ignore[arg-type]
         copy_engine_completion=_COMPLETION.get(variant, base.copy_engine_completion),  # type: ignore[arg-type]
         early_prepare=base.early_prepare and variant != "freescale_late_prepare",
+        gil_switch_interval_ms=_SWITCH.get(variant, base.gil_switch_interval_ms),
     )
 
 
@@ -581,6 +595,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + [f"GPU {g}" for g in gpu]
         + list(acts)
         + ["host CPU ms training thread", "host CPU ms process", "host cpu/wall"]
+        + ["GIL wait mean ms", "GIL wait p90 ms", "GIL wait p99 ms"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -608,6 +623,8 @@ def _markdown(report: dict[str, Any]) -> str:
             if hc
             else ["n/a"] * 3
         )
+        gw = (hc or {}).get("gil_wait")
+        cells += [f"{gw[k]:.2f}" for k in ("mean_ms", "p90_ms", "p99_ms")] if gw else ["n/a"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Headline (freescale vs vanilla):", ""]
     for k, v in report["headline"].items():
@@ -619,7 +636,9 @@ def _markdown(report: dict[str, Any]) -> str:
         "GPU columns: per step over the profiled last steps, mean over ranks "
         "(freescale.pipeline.accounting). Host CPU columns: rank 0, CPU ms per timed step "
         "of the training thread and of the whole process, and process CPU / wall "
-        "(freescale.metrics.host_cpu; Python threads share one interpreter lock).",
+        "(freescale.metrics.host_cpu; Python threads share one interpreter lock). GIL wait: "
+        "rank 0, how late a probe thread that sleeps gil_probe_ms (2 by default) wakes "
+        "(metrics.host_cpu.GilProbe).",
     ]
     proj = report.get("projection")
     if proj:
@@ -853,6 +872,8 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     given = {a.split("=")[0] for a in argv}
     if gpu and "--timing" not in given:
         cfg.timing = "events"  # no host sync per stage: what a user's run would do
+    if "--gil-probe-ms" not in given:
+        cfg.gil_probe_ms = 2.0  # every variant: the GIL wait columns
     if "--profile-steps" not in given:
         cfg.profile_steps = min(20, max(args.steps // 10, 1)) if gpu else 2
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -46,7 +46,7 @@ from ..data.loader import PrefetchingLoader
 from ..data.validate import BadInputError, validate_batch
 from ..embedding.prioritized import make_embedding_collection
 from ..metrics.auc import AUCAccumulator
-from ..metrics.host_cpu import ThreadCpuMeter
+from ..metrics.host_cpu import GilProbe, ThreadCpuMeter
 from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
 from .data_stage import DataStageThread, PreparedBatch
@@ -677,7 +677,17 @@ class Trainer:
         prof_first = last - prof_steps + 1 if prof_steps > 0 else None
         acc = _LoopAccumulator(first + warmup, (prof_first or last + 1) - 1)
         cpu_meter = ThreadCpuMeter()  # host CPU per thread over the timed steps
+        gil_probe = GilProbe(cfg.gil_probe_ms) if cfg.gil_probe_ms > 0 else None
         host_cpu: dict[str, Any] | None = None
+
+        def close_cpu_window() -> dict[str, Any] | None:
+            out = cpu_meter.stop(acc.timed_steps)
+            gil = gil_probe.stop() if gil_probe is not None else None
+            if out is not None and gil is not None:
+                out["gil_wait"] = gil
+            return out
+
+        switch_before = sys.getswitchinterval()  # restored in the finally below
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
@@ -695,11 +705,15 @@ class Trainer:
         begun: deque[tuple[int, JaggedBatch, Any]] = deque()
         pending: dict[str, Any] | None = None
         try:
+            if cfg.gil_switch_interval_ms is not None:
+                sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
             for t in range(first, last + 1):
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
                     cpu_meter.start()
+                    if gil_probe is not None:
+                        gil_probe.start()
                     if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
                         # diagnosis: warn at every call site that synchronises the device
                         # (once per site; a host-bound step shows its syncs here)
@@ -710,7 +724,7 @@ class Trainer:
                         pending = None
                     self._sync()
                     t_stop = time.perf_counter()
-                    host_cpu = cpu_meter.stop(acc.timed_steps)
+                    host_cpu = close_cpu_window()
                     profiler = _start_profiler(self.device)
                 marks = _Marks(self.device) if self.events_timing else None
                 if marks is not None:
@@ -758,7 +772,8 @@ class Trainer:
             raise
         finally:
             if t_stop is None:  # before the data-stage thread exits (its CPU time with it)
-                host_cpu = cpu_meter.stop(acc.timed_steps)
+                host_cpu = close_cpu_window()
+            sys.setswitchinterval(switch_before)
             if stage is not None:
                 stage.close()
                 self._stage = None
