@@ -203,3 +203,37 @@ def test_diagnostic_variants_force_one_setting_only():
     got = _variant_cfg(base, "freescale_late_prepare", "prioritized")
     assert got.early_prepare is False and ref.early_prepare is True
     assert got == dataclasses.replace(ref, early_prepare=False, log_path=got.log_path)
+
+
+def test_unprofiled_estimates_in_the_headline():
+    """The profiler-free estimates come from the same rows: unprofiled step = host wall
+    per timed step, non-compute = step - GPU compute, inflation = GPU window - step;
+    rows without host CPU or GPU accounting give none (never invented)."""
+
+    def row(name, wall, window, compute):
+        return {
+            "variant": name,
+            "qps": 1000.0,
+            "eval_ne": 0.5,
+            "step_ms": wall,
+            "straggler_share_median": 0.0,
+            "summary": {"world_size": 2, "host_cpu": {"wall_ms_per_step": wall}},
+            "gpu_accounting": {
+                "available": True,
+                "window_ms": window,
+                "compute_ms": compute,
+                "bubble_ms": window - compute,
+                "exposed_comm_ms": 1.0,
+            },
+        }
+
+    rows = [row("vanilla", 40.0, 39.0, 32.0), row("freescale", 38.0, 44.0, 34.0)]
+    head, _ = headline(rows)
+    assert head["noncompute_unprofiled_ms"] == {"vanilla": 8.0, "freescale": 4.0}
+    assert head["profiler_inflation_ms"] == {"vanilla": -1.0, "freescale": 6.0}
+    assert head["noncompute_reduction_unprofiled"] == pytest.approx(0.5)
+    assert head["bubble_reduction"] == pytest.approx(1 - 10.0 / 7.0)  # the measured one stays
+    rows[1]["summary"]["host_cpu"] = None
+    head, _ = headline(rows)
+    assert "freescale" not in head["noncompute_unprofiled_ms"]
+    assert "noncompute_reduction_unprofiled" not in head
