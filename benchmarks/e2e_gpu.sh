@@ -38,8 +38,9 @@
 #   bash benchmarks/e2e_gpu.sh checks9 # ~7 min (at most ~9.7), one call: bal64, then
 #                                      # exposed_comm.py with and without prepare_backward
 #                                      # (4 files in $OUT; the e2e summary now has host CPU)
-#   bash benchmarks/e2e_gpu.sh gil     # ~5.5 min: GIL wait per variant; switch interval 0.5 ms
-#                                      # vs 5 (vanilla, freescale); freescale_nccl_overlap
+#   bash benchmarks/e2e_gpu.sh gil     # ~6 min: GIL wait per variant; switch interval 0.5 ms
+#                                      # vs 5 (vanilla, freescale); 2 passes (--repeats 2)
+#   bash benchmarks/e2e_gpu.sh ncclov  # ~4 min: tier-1 check, freescale_nccl_overlap 1,000 steps
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -231,15 +232,26 @@ s9b)
   done
   ;;
 gil)
-  # (~5.5 min) the GIL question, 1,000 steps: every row has the GIL probe's wait; Python's
-  # switch interval at 0.5 ms vs 5 (vanilla and freescale), and freescale_nccl_overlap
-  # (ran past its limit at 0765dec; prepare_backward now decides collectively with a
-  # NCCL side group)
-  timeout 420 $E2E --out "$OUT/e2e_gil" --nproc 2 --steps "$STEPS" --variants vanilla \
-    vanilla_fast_switch freescale freescale_fast_switch freescale_nccl_overlap \
+  # (~6 min) the GIL question: every row has the GIL probe's wait; Python's switch interval
+  # at 0.5 ms vs 5 (vanilla and freescale); two passes (A B C D A B C D) so each ratio
+  # comes with its run-to-run spread
+  timeout 560 $E2E --out "$OUT/e2e_gil" --nproc 2 --steps "${GIL_STEPS:-600}" --repeats 2 \
+    --variants vanilla freescale vanilla_fast_switch freescale_fast_switch \
     > "$OUT/e2e_gil.log" 2>&1
-  echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-500
+  echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-600
   rm -rf "$OUT/e2e_gil/traces" "$OUT"/e2e_gil/*.png
+  ;;
+ncclov)
+  # (~4 min) the collective prepare_backward with a NCCL side group (64cecfa): tier 1 on
+  # CUDA (rows say prepare_blocks), then freescale_nccl_overlap at 1,000 steps (it stalled
+  # at 0765dec) next to vanilla
+  timeout 240 python -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/check_prioritized_cuda.py > "$OUT/verify_prioritized.log" 2>&1
+  echo "check_prioritized_cuda rc=$?"; tail -3 "$OUT/verify_prioritized.log"
+  timeout 300 $E2E --out "$OUT/e2e_ncclov" --nproc 2 --steps "$STEPS" --timeout 120 \
+    --variants vanilla freescale_nccl_overlap > "$OUT/e2e_ncclov.log" 2>&1
+  echo "ncclov rc=$?"; grep -E "^\| " "$OUT/e2e_ncclov/e2e.md" | cut -c1-300
+  rm -rf "$OUT/e2e_ncclov/traces" "$OUT"/e2e_ncclov/*.png
   ;;
 checks9)
   bash "$0" bal64
@@ -284,5 +296,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|ncclov|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

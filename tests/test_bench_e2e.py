@@ -237,3 +237,35 @@ def test_unprofiled_estimates_in_the_headline():
     head, _ = headline(rows)
     assert "freescale" not in head["noncompute_unprofiled_ms"]
     assert "noncompute_reduction_unprofiled" not in head
+
+
+def _e2e_repeats(rank, world, cfg, variants, repeats):
+    return run_e2e(rank, world, cfg, variants, repeats=repeats)
+
+
+def test_repeated_passes_replay_the_numerics(pool2, tmp_path):
+    """``repeats=2``: the variant list twice (A B A B); the second pass is in
+    ``repeat_rows`` with ``pass`` 1 and replays the first bit for bit (eval NE curve,
+    activity counters); the headline has QPS per pass, the ratio per pass and its
+    median, and each variant's spread (their values are timings: not asserted)."""
+    cfg = dataclasses.replace(e2e_config(), profile_steps=0)
+    res = pool2.run(_e2e_repeats, cfg, ["vanilla", "freescale"], 2)
+    report = write_report(res[0], str(tmp_path), command="pytest repeats")
+    first = {r["variant"]: r for r in report["rows"]}
+    again = {r["variant"]: r for r in report["repeat_rows"]}
+    assert set(first) == set(again) == {"vanilla", "freescale"}
+    for name in first:
+        assert first[name]["pass"] == 0 and again[name]["pass"] == 1
+        assert again[name]["ne_curve"] == first[name]["ne_curve"], name
+        assert again[name]["activity"] == first[name]["activity"], name
+    h = report["headline"]
+    assert h["passes"] == 2 and set(h["qps_by_pass"]) == {"vanilla", "freescale"}
+    assert all(len(v) == 2 for v in h["qps_by_pass"].values())
+    assert len(h["qps_ratio_by_pass"]) == 2 and "qps_ratio_median" in h
+    assert set(h["qps_spread_by_variant"]) == {"vanilla", "freescale"}
+    assert "QPS per pass" in (tmp_path / "e2e.md").read_text()
+    # a merge keeps the earlier report's repeats of variants this run did not redo
+    merged = merge_results(report, {**res[0], "rows": res[0]["rows"][:1], "repeat_rows": []})
+    assert [r["variant"] for r in merged["repeat_rows"]] == ["freescale"]
+    with pytest.raises(ValueError, match="repeats"):
+        run_e2e(0, 1, cfg, ["vanilla"], repeats=0)

@@ -68,6 +68,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -307,9 +308,15 @@ def run_e2e(
     ctx: Any = None,
     warmup_steps: int = 0,
     on_row: Any = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Train every variant on the same config (data, seed) in turn; the rows (every
     rank; timings are rank-local, numerics identical on every rank).
+
+    ``repeats`` > 1: the whole variant list again, in the same order, that many times
+    in all (A B A B ...); the first pass gives ``rows``, the others ``repeat_rows``
+    (each row with its ``pass``). Same numerics every pass; the spread of the timings
+    between passes is what a single run's ratio is worth.
 
     ``warmup_steps`` > 0: first a discarded vanilla run of that many steps, so that
     one-time costs (compiling the attention kernels for the token-count buckets, CUDA
@@ -333,15 +340,27 @@ def run_e2e(
             tr.train()
         finally:
             tr.close()
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows: list[dict[str, Any]] = []
-    for v in variants:
-        rows.append(run_variant(rank, world, base_cfg, v, ctx=ctx))
-        if on_row is not None:
-            on_row(_result(rank, world, base_cfg, rows))
-    return _result(rank, world, base_cfg, rows)
+    extra: list[dict[str, Any]] = []
+    for p in range(repeats):
+        for v in variants:
+            row = run_variant(rank, world, base_cfg, v, ctx=ctx)
+            row["pass"] = p
+            (rows if p == 0 else extra).append(row)
+            if on_row is not None:
+                on_row(_result(rank, world, base_cfg, rows, extra))
+    return _result(rank, world, base_cfg, rows, extra)
 
 
-def _result(rank: int, world: int, cfg: TrainConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _result(
+    rank: int,
+    world: int,
+    cfg: TrainConfig,
+    rows: list[dict[str, Any]],
+    repeat_rows: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     device = rows[0]["summary"].get("device", "cpu") if rows else "cpu"
     return {
         "world_size": world,
@@ -349,6 +368,7 @@ def _result(rank: int, world: int, cfg: TrainConfig, rows: list[dict[str, Any]])
         "device": _describe_device(device, rows[0]["summary"].get("backend") if rows else None),
         "config": dataclasses.asdict(cfg),
         "rows": list(rows),
+        "repeat_rows": list(repeat_rows or []),
     }
 
 
@@ -413,12 +433,17 @@ def _unprofiled(row: dict[str, Any]) -> dict[str, float] | None:
 
 
 def headline(
-    rows: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+    rows: list[dict[str, Any]],
+    baseline: dict[str, Any] | None = None,
+    repeat_rows: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """freescale (and every other variant) against vanilla; and what was not measured.
 
     ``baseline``: a one-GPU report of the same workload (per-rank batch) for the
-    scaling efficiency (per-GPU QPS here / per-GPU QPS there, per variant)."""
+    scaling efficiency (per-GPU QPS here / per-GPU QPS there, per variant).
+    ``repeat_rows``: later passes of the same variants (``run_e2e(repeats=...)``): QPS
+    per pass and variant, the freescale / vanilla ratio per pass and its median, and
+    each variant's spread ((max - min) / median QPS over passes)."""
     by = {r["variant"]: r for r in rows}
     van = by.get("vanilla")
     out: dict[str, Any] = {}
@@ -500,7 +525,32 @@ def headline(
         out["scaling_baseline_world_size"] = bw
     else:
         missing.append("scaling_efficiency")
+    if repeat_rows:
+        out.update(_pass_stats(rows, repeat_rows))
     return out, missing
+
+
+def _pass_stats(rows: list[dict[str, Any]], repeat_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """QPS per pass and variant, ratios per pass, medians and spreads (see headline)."""
+    by_pass: dict[int, dict[str, float]] = {}
+    for r in [*rows, *repeat_rows]:
+        by_pass.setdefault(int(r.get("pass", 0)), {})[r["variant"]] = float(r["qps"])
+    passes = [by_pass[p] for p in sorted(by_pass)]
+    names = sorted({n for p in passes for n in p})
+    qps = {n: [p[n] for p in passes if n in p] for n in names}
+    out: dict[str, Any] = {"passes": len(passes), "qps_by_pass": qps}
+    out["qps_spread_by_variant"] = {
+        n: (max(v) - min(v)) / statistics.median(v) for n, v in qps.items() if len(v) > 1
+    }
+    for n in names:
+        if n == "vanilla":
+            continue
+        ratios = [p[n] / p["vanilla"] for p in passes if n in p and p.get("vanilla")]
+        if len(ratios) > 1:
+            key = "" if n == "freescale" else f"_{n}"
+            out[f"qps_ratio_by_pass{key}"] = ratios
+            out[f"qps_ratio_median{key}"] = statistics.median(ratios)
+    return out
 
 
 def _dense_param_bytes(report: dict[str, Any]) -> float:
@@ -664,6 +714,17 @@ def _markdown(report: dict[str, Any]) -> str:
         gw = (hc or {}).get("gil_wait")
         cells += [f"{gw[k]:.2f}" for k in ("mean_ms", "p90_ms", "p99_ms")] if gw else ["n/a"] * 3
         lines.append("| " + " | ".join(cells) + " |")
+    h = report["headline"]
+    if h.get("qps_by_pass"):
+        n = int(h["passes"])
+        lines += ["", f"QPS per pass ({n} passes of the variant list, in order):", ""]
+        lines += ["| variant | " + " | ".join(f"pass {i + 1}" for i in range(n)) + " | spread |"]
+        lines += ["|" + "---|" * (n + 2)]
+        for name, q in h["qps_by_pass"].items():
+            spread = h["qps_spread_by_variant"].get(name)
+            cells = [f"{x:.1f}" for x in q] + ["n/a"] * (n - len(q))
+            cells.append("n/a" if spread is None else f"{spread:.3f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Headline (freescale vs vanilla):", ""]
     for k, v in report["headline"].items():
         lines.append(f"- `{k}`: {v}")
@@ -761,7 +822,8 @@ def write_report(
     for the scaling efficiency."""
     os.makedirs(out_dir, exist_ok=True)
     rows = result["rows"]
-    head, missing = headline(rows, baseline)
+    repeat_rows = result.get("repeat_rows") or []
+    head, missing = headline(rows, baseline, repeat_rows)
     report: dict[str, Any] = {
         "figure": "e2e",
         "device": result.get("device"),
@@ -771,6 +833,7 @@ def write_report(
         "command": command or result.get("command") or " ".join(sys.argv),
         "variants": [r["variant"] for r in rows],
         "rows": rows,
+        "repeat_rows": repeat_rows,
         "headline": head,
         "not_measured": missing,
         "config": result.get("config"),
@@ -811,7 +874,8 @@ def merge_results(earlier: dict[str, Any], result: dict[str, Any]) -> dict[str, 
         )
     new = {r["variant"] for r in result["rows"]}
     rows = [r for r in earlier.get("rows", []) if r["variant"] not in new] + result["rows"]
-    return {**result, "rows": rows}
+    reps = [r for r in earlier.get("repeat_rows") or [] if r["variant"] not in new]
+    return {**result, "rows": rows, "repeat_rows": reps + list(result.get("repeat_rows") or [])}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -824,6 +888,7 @@ def bench_rank(
     baseline: dict[str, Any] | None = None,
     merge: dict[str, Any] | None = None,
     warmup: int = 0,
+    repeats: int = 1,
 ) -> dict[str, Any] | None:
     """Entry point of one rank (module level so the launcher can pickle it); rank 0
     writes the report and returns its headline."""
@@ -849,6 +914,7 @@ def bench_rank(
             ctx=ctx,
             warmup_steps=warmup,
             on_row=save if ctx.rank == 0 else None,
+            repeats=repeats,
         )
         if ctx.rank == 0:
             report = save(result)
@@ -894,11 +960,20 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
         help="discarded vanilla steps before the variants (default: 30 on GPU, 0 on CPU)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variant list this many times in all (A B A B ...): QPS per pass, "
+        "the freescale / vanilla ratio per pass and its median, each variant's spread",
+    )
+    p.add_argument(
         "--merge",
         default=None,
         help="an earlier e2e.json of the same config: its rows join this report's",
     )
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     baseline = merge = None
     if args.baseline:
         with open(args.baseline) as f:
@@ -921,7 +996,8 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     command = "freescale bench e2e " + " ".join(argv)
     warmup = args.warmup_steps if args.warmup_steps is not None else (30 if gpu else 0)
     rank_args = (
-        cfg_dict, list(args.variants), args.out, args.timeout, command, baseline, merge, warmup
+        cfg_dict, list(args.variants), args.out, args.timeout, command, baseline, merge, warmup,
+        args.repeats,
     )  # fmt: skip
     if not (in_torchrun or args.nproc == 1):
         print(
