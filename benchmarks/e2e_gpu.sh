@@ -234,8 +234,10 @@ s9b)
 gil)
   # (~6 min) the GIL question: every row has the GIL probe's wait; Python's switch interval
   # at 0.5 ms vs 5 (vanilla and freescale); two passes (A B C D A B C D) so each ratio
-  # comes with its run-to-run spread
+  # comes with its run-to-run spread; the profiled steps record GPU activity only
+  # (--profile-activities cuda): does the profiler still stretch freescale's steps?
   timeout 560 $E2E --out "$OUT/e2e_gil" --nproc 2 --steps "${GIL_STEPS:-600}" --repeats 2 \
+    --profile-activities "${GIL_PROFILE:-cuda}" \
     --variants vanilla freescale vanilla_fast_switch freescale_fast_switch \
     > "$OUT/e2e_gil.log" 2>&1
   echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-600

@@ -240,3 +240,16 @@ def test_gil_switch_interval_is_set_while_training_and_restored(pool2):
         dataclasses.replace(cfg, gil_switch_interval_ms=0.0)
     with pytest.raises(ValueError, match="gil_probe_ms"):
         dataclasses.replace(cfg, gil_probe_ms=-1.0)
+
+
+def test_profile_activities_option():
+    """``profile_activities="cuda"`` records GPU activity only on a CUDA device; on a CPU
+    device the profiler keeps host ops (there is no GPU activity to record)."""
+    from freescale.pipeline.trainer import _start_profiler
+
+    prof = _start_profiler(torch.device("cpu"), "cuda")
+    torch.ones(4).add_(1)
+    prof.stop()
+    assert any(e.name == "aten::add_" for e in prof.events())
+    with pytest.raises(ValueError, match="profile_activities"):
+        dataclasses.replace(tiny_config(), profile_activities="gpu")

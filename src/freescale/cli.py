@@ -146,6 +146,14 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="profile the last N steps: GPU compute / communication / bubble per step",
     )
     p.add_argument(
+        "--profile-activities",
+        choices=["auto", "cpu_cuda", "cuda"],
+        default="auto",
+        help="what the profiled steps record: cpu_cuda (host ops, stage ranges, GPU "
+        "kernels; auto) or cuda (GPU activity only: what the accounting reads, with less "
+        "host cost per op)",
+    )
+    p.add_argument(
         "--trace-dir", default=None, help="keep each rank's Chrome trace here (Perfetto)"
     )
     p.add_argument(
@@ -267,6 +275,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
+        profile_activities=getattr(args, "profile_activities", "auto"),
         trace_dir=args.trace_dir,
         host_counts={"auto": None, "on": True, "off": False}[getattr(args, "host_counts", "auto")],
         cpu_threads=getattr(args, "cpu_threads", None),

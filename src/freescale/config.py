@@ -194,6 +194,11 @@ class TrainConfig:
     # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
     profile_steps: int = 0
     trace_dir: str | None = None  # also keep each rank's Chrome trace (Perfetto) here
+    # what the profiler records: "cpu_cuda" (host ops, the stage ranges and GPU kernels:
+    # the trace option's view) or "cuda" (GPU kernels and copies only — all the GPU
+    # accounting reads — with less host cost per op: the profiled steps of a
+    # launch-heavy schedule stretch less); "auto": cpu_cuda
+    profile_activities: Literal["auto", "cpu_cuda", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -216,6 +221,11 @@ class TrainConfig:
             )
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")
+        if self.profile_activities not in ("auto", "cpu_cuda", "cuda"):
+            raise ValueError(
+                "profile_activities must be auto | cpu_cuda | cuda, "
+                f"got {self.profile_activities!r}"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.gil_switch_interval_ms is not None and not self.gil_switch_interval_ms > 0:

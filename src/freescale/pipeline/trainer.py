@@ -725,7 +725,7 @@ class Trainer:
                     self._sync()
                     t_stop = time.perf_counter()
                     host_cpu = close_cpu_window()
-                    profiler = _start_profiler(self.device)
+                    profiler = _start_profiler(self.device, cfg.profile_activities)
                 marks = _Marks(self.device) if self.events_timing else None
                 if marks is not None:
                     marks("step_start")
@@ -934,6 +934,9 @@ class Trainer:
         out = merge_ranks(per_rank)
         out["per_rank"] = per_rank
         out["profiled_steps"] = steps
+        acts = self.cfg.profile_activities
+        cuda_only = acts == "cuda" and self.device.type == "cuda"
+        out["profile_activities"] = "cuda" if cuda_only else "cpu_cuda"
         if keep:
             out["trace_dir"] = keep
         return out
@@ -1081,12 +1084,17 @@ class _BackwardMark(torch.autograd.Function):
         return grad, None, None
 
 
-def _start_profiler(device: torch.device) -> Any:
+def _start_profiler(device: torch.device, activities: str = "auto") -> Any:
+    """torch.profiler over the profiled steps: host ops and GPU activity, or (``"cuda"``
+    on a CUDA device) GPU activity only (TrainConfig.profile_activities)."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(ProfilerActivity.CUDA)
+    if device.type == "cuda" and activities == "cuda":
+        acts = [ProfilerActivity.CUDA]
+    else:
+        acts = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
     # FREESCALE_PROFILE_STACK=1 records Python frames (benchmarks/trace_host.py reads them)
     stack = os.environ.get("FREESCALE_PROFILE_STACK", "") not in ("", "0")
     prof = profile(activities=acts, record_shapes=False, with_stack=stack)
