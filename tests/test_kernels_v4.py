@@ -3,9 +3,12 @@
 Bitwise (every field, dtypes included) on fresh random jagged inputs per run, in Triton's
 interpreter on CPU (TRITON_INTERPRET=1), with tiny tiles so that every run covers many
 tiles per key, several chunks per tile, segments spanning tiles (with whole tiles in
-between) and tiles holding many segments. Each test prints its seed; replay with
-FREESCALE_TEST_SEED=<seed>. Compilation and speed are checked on the GPU machine
-(`benchmarks/kernels.py`, variant "triton_v4").
+between) and tiles holding many segments. Both ways of making the output lengths are
+checked: ``lengths_mode="rows"`` (the default: per-segment counter snapshot rows and a
+blocked finish pass) and ``"columns"`` (the first v4: lengths stored per segment as W
+strided stores, crossing segments fixed up in the finish kernel). Each test prints its
+seed; replay with FREESCALE_TEST_SEED=<seed>. Compilation and speed are checked on the
+GPU machine (`benchmarks/kernels.py`, variant "triton_v4").
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ pytestmark = pytest.mark.skipif(
 torch.set_num_threads(1)
 
 INDEX_DTYPES = [torch.int32, torch.int64]
+LENGTHS_MODES = ["rows", "columns"]
 # (tile, chunk, scatter_block); None = the CPU defaults (64, 16, 32)
 CONFIGS = [(16, 16, 16), (None, None, None), (64, 32, 16), (128, 32, 64)]
 
@@ -65,9 +69,10 @@ def _check(args, mode="block", weights=None, context="", **knobs) -> None:
     assert_dispatch_equal(expected, actual, f"{mode} {knobs} {context}")
 
 
+@pytest.mark.parametrize("lengths_mode", LENGTHS_MODES)
 @pytest.mark.parametrize("world", [1, 3, 8, 300, 1024])
 @pytest.mark.parametrize("mode", ["block", "modulo"])
-def test_v4_matches_reference(gen, world, mode):
+def test_v4_matches_reference(gen, world, mode, lengths_mode):
     """Random batches: empty segments, ids at block borders and past blk*W, table rows not
     divisible by W, int32/int64 ids and lengths, with and without weights."""
     for i, (tile, chunk, block) in enumerate(CONFIGS):
@@ -76,7 +81,22 @@ def test_v4_matches_reference(gen, world, mode):
         )
         args = (case.values, case.lengths, case.block_sizes, world)
         _check(args, mode, case.weights, case.describe(), tile=tile, chunk=chunk,
-               scatter_block=block)  # fmt: skip
+               scatter_block=block, lengths_mode=lengths_mode)  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 5, 300, 1024])
+def test_v4_rows_many_finish_blocks(gen, world):
+    """lengths_mode="rows" with more segments and tiles than one finish block holds (and W
+    not a multiple of its dest block), at several finish block sizes: every program range
+    of `_v4_finish_rows_kernel` (et blocks, lengths blocks, splits) runs several times."""
+    for i, (finish_block, tile) in enumerate(((16, 16), (32, 64), (16, 128))):
+        case = random_dispatch_case(
+            gen, world, max_batch=24, max_len=40, with_weights=i == 0, **_dtypes(world + i)
+        )
+        args = (case.values, case.lengths, case.block_sizes, world)
+        mode = ("block", "modulo")[i % 2]
+        _check(args, mode, case.weights, case.describe(), tile=tile,
+               finish_block=finish_block, lengths_mode="rows")  # fmt: skip
 
 
 def _fixed(lengths: list[int], ids, blocks: list[int], dtypes) -> tuple:
@@ -115,13 +135,27 @@ def test_v4_edge_cases(gen, dtypes):
     # a single id; one segment much longer than a tile
     cases.append(([1], 3, torch.tensor([2]), [1]))
     cases.append(([333], 2, torch.randint(0, 10, (333,), generator=gen), [5]))
+    # segment and key borders on tile borders (16 and 32 are multiples of every tile used
+    # here but 32 / 64-id tiles): empty segments at a key's end owned by its last tile
+    lengths = [16, 0, 0, 32, 0, 16, 0, 0, 0]
+    n = sum(lengths)
+    cases.append((lengths, 1024, torch.randint(0, 3000, (n,), generator=gen), [2, 3, 1]))
+    # W=1024, every id to the last dest (blk*W - 1) or to dest 0, one segment per key
+    cases.append(([40, 0, 9], 1024, torch.tensor([1023] * 30 + [0] * 19), [1, 1, 1]))
+    # W=1, several keys, empty segments everywhere
+    lengths = [0, 7, 0, 0, 20, 0]
+    n = sum(lengths)
+    cases.append((lengths, 1, torch.randint(0, 50, (n,), generator=gen), [3, 50, 1]))
     # (mode, tile, chunk) per case, rotating so that every pair meets every knob setting
     runs = [("block", 16, 16), ("modulo", 32, 32), ("block", None, None), ("modulo", 16, 16)]
     for i, (lengths, world, ids, blocks) in enumerate(cases):
         args = (*_fixed(lengths, ids, blocks, dtypes), world)
         weights = torch.rand(ids.numel(), generator=gen)
-        for mode, tile, chunk in (runs[i % 4], runs[(i + 1) % 4]):
-            _check(args, mode, weights, f"W={world} lengths={lengths}", tile=tile, chunk=chunk)
+        for j, (mode, tile, chunk) in enumerate((runs[i % 4], runs[(i + 1) % 4])):
+            for lengths_mode in LENGTHS_MODES:
+                _check(args, mode, weights, f"W={world} lengths={lengths}", tile=tile,
+                       chunk=chunk, lengths_mode=lengths_mode,
+                       finish_block=16 if j else 32)  # fmt: skip
 
 
 def test_v4_ids_fit_one_tile_or_many(gen):
@@ -148,18 +182,21 @@ def test_v4_empty_inputs():
             assert got.key_counts.shape == (4, len(blocks))
 
 
-def test_v4_deterministic(gen):
+@pytest.mark.parametrize("lengths_mode", LENGTHS_MODES)
+def test_v4_deterministic(gen, lengths_mode):
     case = random_dispatch_case(gen, 64, max_batch=4, max_len=50, with_weights=True)
     args = (case.values, case.lengths, case.block_sizes, 64)
-    first = _v4().ranged_dispatch_v4(*args, weights=case.weights, tile=16)
-    assert_dispatch_equal(first, _v4().ranged_dispatch_v4(*args, weights=case.weights, tile=16),
-                          "run twice")  # fmt: skip
+    knobs = {"weights": case.weights, "tile": 16, "lengths_mode": lengths_mode}
+    first = _v4().ranged_dispatch_v4(*args, **knobs)
+    assert_dispatch_equal(first, _v4().ranged_dispatch_v4(*args, **knobs), "run twice")
 
 
 def test_v4_rejects_bad_knobs():
     v4 = _v4()
     args = (torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([4]), 2)
-    for knobs in ({"tile": 48}, {"tile": 8}, {"chunk": 64}, {"scatter_block": 24}):
+    bad = ({"tile": 48}, {"tile": 8}, {"chunk": 64}, {"scatter_block": 24},
+           {"finish_block": 8}, {"finish_block": 512}, {"lengths_mode": "diagonal"})  # fmt: skip
+    for knobs in bad:
         with pytest.raises(ValueError):
             v4.ranged_dispatch_v4(*args, **knobs)
     with pytest.raises(ValueError):
@@ -169,7 +206,8 @@ def test_v4_rejects_bad_knobs():
 def test_v4_default_config():
     v4 = _v4()
     cpu = v4.default_config_v4(8, torch.device("cpu"), 1 << 20)
-    assert (cpu.tile, cpu.chunk, cpu.scatter_block) == (64, 16, 32)
+    assert (cpu.tile, cpu.chunk, cpu.scatter_block, cpu.finish_block) == (64, 16, 32, 16)
+    assert cpu.lengths_mode == "rows"
     cuda = torch.device("cuda")
     assert v4.default_config_v4(1024, cuda, 1 << 26).tile == 8192
     assert v4.default_config_v4(8, cuda, 1 << 20).tile == 1024

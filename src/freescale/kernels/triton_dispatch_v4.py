@@ -28,12 +28,18 @@ among same-dest ids earlier in its tile) and changes how both parts are computed
 * `_v4_scatter_kernel` is flat and fully parallel: position = [tile][dest] exclusive scan
   (`et`, one contiguous W-row per tile, gathered from L1) + rank; local row from the id.
 
-Output lengths: the rank kernel walks its tile segment by segment and, from counter
-snapshots at segment boundaries, writes `lengths[:, s]` for each segment that starts in
-the tile (owns it) and ends there. A segment running past its tile leaves its two partial
-counts (`tail` in its first tile, `head` in its last); `_v4_finish_kernel` adds the full
-tiles in between from the scan, writes `splits` and `key_counts` (scan differences at
-key-tile boundaries) and the [tile][dest] copy of the scan.
+Output lengths (`V4Config.lengths_mode`). "rows" (default): before ranking the piece of
+each segment s it owns, the rank program stores its counters as a contiguous row
+snaps[s, :] (ids of each dest in the tile before s's first id). With
+P(d, s) = exclusive scan at (d, tile owning s) + snaps[s, d] (the output position of
+(d, s)'s first id; P(d, S) = the scan's end), lengths[d, s] = P(d, s + 1) - P(d, s); the
+finish kernel computes it in [dest] x [segment] blocks, reading snapshot rows along dests
+and writing lengths along segments, and writes the [tile][dest] copy of the scan in
+blocks too. A segment crossing tiles needs no special case. "columns" (the first v4,
+kept for comparison): the rank program takes W-wide differences of counter snapshots at
+segment ends and stores each owned segment's lengths[:, s] directly (W stores S * 8 bytes
+apart); a segment running past its tile leaves partial counts (`tail` in its first tile,
+`head` in its last) that `_v4_finish_kernel` completes from the scan.
 
 Launches (six, like v3): segment / key-tile offsets (one program); tile table (binary
 searches); rank; `torch.cumsum` of the [dest][tile] counts; finish; scatter. Deterministic:
@@ -41,6 +47,56 @@ no atomics, one writer per output element, per-tile state updated in a fixed ord
 host-device sync (sizes come from shapes). World size is a compile-time constant (cheap
 divisions; one compiled variant per W). On CPU tensors this module needs
 ``TRITON_INTERPRET=1`` set before triton is first imported.
+
+Cost that grows with W (arithmetic from the code; "large" workload of
+benchmarks/kernels.py: N = 2^26 uniform int64 ids, int64 lengths, K = 4, B = 8192, so
+S = 32768 segments of ~2048 ids; default tile 8192, so T = N / tile + K = 8196 programs,
+8188 of them ending inside a segment; chunk 32, so 2^21 chunks). Counts are element
+accesses, W = 8 -> W = 1024 (x128 unless said):
+
+* Rank, "columns": per owned segment 2 W-wide loads + 1 W-wide store of rows (3 S W:
+  0.8M -> 101M) and W int64 stores lengths[d * S + s], 256 KB apart: S W = 0.26M ->
+  33.5M stores, each its own 32-byte sector of a 268 MB array (> the 50 MB L2) written
+  column by column: >= 1.07 GB of sector traffic at W = 1024 for 268 MB of payload. Per
+  tile ~6 W-wide row passes (zero, head, snapshot, counts; 6 T W: 0.4M -> 50M), the
+  counts store counts[d * T + t] 32 KB apart (T W = 66K -> 8.4M). Per-program rows
+  (counters, snapshot, head) 3 W * 4 B = 96 B -> 12 KB; with up to 32 one-warp programs
+  per SM that is 384 KB at W = 1024, more than an SM's 256 KB L1 (counter rows likely
+  re-read from L2 each chunk: an estimate).
+* Rank, both modes: per chunk the counter gather and write-back hit ~W/8 (1 - (1 - 8/W)^32)
+  distinct 32-byte sectors of the row: 1 (W=8), 4 (32), 14 (128), 20 (256), 25 (512),
+  28 (1024): 2.1M -> ~60M sector requests each way, on the serial path of every chunk.
+* Finish, "columns": et (T W strided scan reads, 32 KB apart, + T W row stores: 66K ->
+  8.4M each) and for each crossing segment 2 strided scan reads + W strided lengths
+  stores: +8.4M int64 stores 256 KB apart, +16.8M strided reads.
+* cumsum: T W int32 each way, 0.26 MB -> 33.6 MB. Scatter: a tile gives each dest a
+  run of tile / W output ids, 1024 (8 KB) at W = 8, 8 (64 B) at W = 1024, where a
+  1024-id program sees ~1 id per dest: 2^26 scattered 8-byte value stores (partial
+  sectors) instead of coalesced runs; the et row gather per id spreads the same way.
+* Not W-dependent: the per-id rank work, values / ranks / perm traffic (the HBM floor).
+
+The measured tile sweep at W = 1024 (2048 -> 16384-id tiles: T W 33.6M -> 4.2M, x8 fewer)
+kept v4 within 7.0-7.6 ms (chunk 32), so the T W terms do not dominate; S W (the rank
+kernel's column-wise lengths stores), the per-chunk sector divergence and the scatter's
+short runs do not depend on the tile. A marginal fit, W = 512 -> 1024 (+2.2 ms for +21M
+column-strided lengths stores, ~0.1 ns each), would put up to ~4 ms of the 7.5 ms in
+those stores if the other terms were flat there (they are not quite: an upper bound).
+Caveat: at tile 2048 the finish kernel's crossing stores grow to 33.5M, yet that tile
+was the fastest; there consecutive programs fill adjacent columns at nearly the same
+time (sectors merge in L2), while a rank program writes its own segments' columns a
+quarter of its run apart, so the cost per strided store depends on the L2 merge window.
+Only a per-kernel profile settles the split.
+
+"rows" removes these stores: per owned segment one contiguous W-row load and store (S W
+int32: 134 MB written and read back sequentially at W = 1024, and that much more
+memory), no head / tail / snapshot rows (per-program rows 4 KB at W = 1024), no crossing
+fix-up, lengths and et written by blocked transposes with coalesced reads and writes.
+Expected effect (an estimate, not measured): ~1.3-2.7 GB of sector-granular DRAM traffic
+(42M partial-sector stores, twice if L2 read-fills them) traded for ~0.27 GB of extra
+sequential traffic at W = 1024, i.e. somewhere between ~0.3 ms and the ~4 ms bound above
+saved; ~nothing at W = 8. Unchanged: the per-chunk counter divergence, the strided counts
+store and the scatter's short runs (a dest-radix pre-pass or larger per-dest runs would
+be the next step), so "rows" alone is not expected to reach ~0.9 ms at W = 1024.
 """
 
 from __future__ import annotations
@@ -57,6 +113,7 @@ from freescale.kernels.common import DispatchResult, check_dispatch_inputs
 
 MAX_WORLD = (1 << 15) - 1  # dest is stored in the high 16 bits of a non-negative int32
 MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
+LENGTHS_MODES = ("rows", "columns")  # `V4Config.lengths_mode`
 
 
 # ---------------------------------------------------------------------------------------
@@ -342,6 +399,69 @@ def _v4_rank_kernel(
         tl.store(counts_ptr + (b + wl).to(tl.int64) * num_tiles + t, total, mask=m)
 
 
+@triton.jit(do_not_specialize=["num_tiles"])
+def _v4_rank_rows_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    seg_offsets_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    rows_ptr,
+    ranks_ptr,
+    counts_ptr,
+    snaps_ptr,
+    seg_tile_ptr,
+    num_tiles,
+    WORLD: tl.constexpr,
+    MODULO: tl.constexpr,
+    CHUNK: tl.constexpr,
+    WB: tl.constexpr,
+):
+    """lengths="rows": tile t (one warp) ranks its ids piece by piece like
+    `_v4_rank_kernel` (counters in rows[t], counts[d * T + t] at the end), and before the
+    piece of each segment s it owns stores the counters as one contiguous row,
+    snaps[s, :] (ids of each dest in the tile before the segment's first id), and
+    seg_tile[s] = t. No differences, head/tail rows or [dest][segment] stores here:
+    `_v4_finish_rows_kernel` turns the rows into lengths."""
+    t = tl.program_id(0)
+    key = tl.load(tile_key_ptr + t)
+    start = tl.load(tile_start_ptr + t)
+    end = tl.load(tile_end_ptr + t)
+    seg_lo = tl.load(tile_seg_lo_ptr + t)
+    seg_hi = tl.load(tile_seg_hi_ptr + t)
+    blk = tl.load(block_sizes_ptr + key).to(tl.int64)
+    counters = rows_ptr + t.to(tl.int64) * WORLD
+    wl = tl.arange(0, WB)
+    for b in tl.range(0, WORLD, WB):
+        tl.store(counters + b + wl, tl.zeros([WB], dtype=tl.int32), mask=b + wl < WORLD)
+    tl.debug_barrier()
+
+    head_end = tl.where(seg_lo < seg_hi, tl.load(seg_offsets_ptr + seg_lo), end)
+    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK)
+    s = seg_lo
+    seg_start = head_end
+    while s < seg_hi:
+        # the snapshot reads precede the next piece's write-backs: a chunk writes its
+        # counters only after a barrier that every lane reaches after these loads
+        for b in tl.range(0, WORLD, WB):
+            m = b + wl < WORLD
+            seen = tl.load(counters + b + wl, mask=m, other=0)
+            tl.store(snaps_ptr + s * WORLD + b + wl, seen, mask=m)
+        tl.store(seg_tile_ptr + s, t)
+        seg_end = tl.load(seg_offsets_ptr + s + 1)
+        _rank_piece(values_ptr, ranks_ptr, counters, seg_start, tl.minimum(seg_end, end), blk,
+                    WORLD, MODULO, CHUNK)  # fmt: skip
+        seg_start = seg_end
+        s += 1
+    for b in tl.range(0, WORLD, WB):
+        m = b + wl < WORLD
+        total = tl.load(counters + b + wl, mask=m, other=0)
+        tl.store(counts_ptr + (b + wl).to(tl.int64) * num_tiles + t, total, mask=m)
+
+
 @triton.jit(do_not_specialize=["num_tiles", "num_segments", "num_keys", "batch"])
 def _v4_finish_kernel(
     scan_ptr,
@@ -400,20 +520,129 @@ def _v4_finish_kernel(
                 tl.store(lengths_ptr + (b + wl).to(tl.int64) * num_segments + s,
                          total.to(lengths_ptr.dtype.element_ty), mask=m)  # fmt: skip
     else:
-        dest = (pid - num_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = dest < WORLD
-        dcol = dest.to(tl.int64) * num_tiles  # (names differ from the branch above: the
-        # compiler wants a name to keep its type across the branches of an `if`)
-        first = _exclusive_at(scan_ptr, dcol, dmask)  # key_tile_first[0] == 0
-        prev = first
-        k = 0
-        while k < num_keys:
-            cur = _exclusive_at(scan_ptr, dcol + tl.load(key_tile_first_ptr + k + 1), dmask)
-            tl.store(key_counts_ptr + dest.to(tl.int64) * num_keys + k,
-                     (cur - prev).to(tl.int64), mask=dmask)  # fmt: skip
-            prev = cur
-            k += 1
-        tl.store(splits_ptr + dest, (prev - first).to(tl.int64), mask=dmask)
+        _splits_block(scan_ptr, key_tile_first_ptr, splits_ptr, key_counts_ptr,
+                      pid - num_tiles, num_tiles, num_keys, WORLD, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _splits_block(
+    scan_ptr,
+    key_tile_first_ptr,
+    splits_ptr,
+    key_counts_ptr,
+    block_id,
+    num_tiles,
+    num_keys,
+    WORLD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """splits and key_counts of dests [block_id * BLOCK_D, +BLOCK_D): differences of the
+    [dest][tile] scan at key-tile boundaries (tiles follow keys)."""
+    dest = block_id * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dest < WORLD
+    dcol = dest.to(tl.int64) * num_tiles
+    first = _exclusive_at(scan_ptr, dcol, dmask)  # key_tile_first[0] == 0
+    prev = first
+    k = 0
+    while k < num_keys:
+        cur = _exclusive_at(scan_ptr, dcol + tl.load(key_tile_first_ptr + k + 1), dmask)
+        tl.store(key_counts_ptr + dest.to(tl.int64) * num_keys + k,
+                 (cur - prev).to(tl.int64), mask=dmask)  # fmt: skip
+        prev = cur
+        k += 1
+    tl.store(splits_ptr + dest, (prev - first).to(tl.int64), mask=dmask)
+
+
+@triton.jit
+def _boundary_positions(scan_ptr, snaps_ptr, seg_tile_ptr, s, d, num_tiles, num_segments,
+                        WORLD: tl.constexpr):  # fmt: skip
+    """[BD, BS] int64: P(d, s) = ids before segment s's first id that go to a dest < d or
+    to d (the output position of (d, s)'s first id) = exclusive scan at (d, tile owning
+    s) + snaps[s, d]. s == S is the end (the virtual tile T, no snapshot); s > S and
+    d >= W are padding."""
+    seg_in = s < num_segments
+    tile = tl.load(seg_tile_ptr + s, mask=seg_in, other=num_tiles).to(tl.int64)
+    m = (d[:, None] < WORLD) & (s <= num_segments)[None, :]
+    excl = _exclusive_at(scan_ptr, d[:, None].to(tl.int64) * num_tiles + tile[None, :], m)
+    snap = tl.load(snaps_ptr + s[None, :].to(tl.int64) * WORLD + d[:, None],
+                   mask=m & seg_in[None, :], other=0)  # fmt: skip
+    return excl.to(tl.int64) + snap
+
+
+@triton.jit
+def _et_block(scan_ptr, et_ptr, block_id, num_tiles, WORLD: tl.constexpr, BT: tl.constexpr,
+              BD: tl.constexpr):  # fmt: skip
+    """et[t, d] = exclusive scan at (d, t) for BD dests x BT tiles: read along tiles,
+    written along dests (a blocked transpose; dest blocks vary fastest)."""
+    d_blocks = (WORLD + BD - 1) // BD
+    t = (block_id // d_blocks) * BT + tl.arange(0, BT)
+    d = (block_id % d_blocks) * BD + tl.arange(0, BD)
+    m = (d[:, None] < WORLD) & (t[None, :] < num_tiles)
+    e = _exclusive_at(scan_ptr, d[:, None].to(tl.int64) * num_tiles + t[None, :], m)
+    tl.store(et_ptr + t[None, :].to(tl.int64) * WORLD + d[:, None], e, mask=m)
+
+
+@triton.jit
+def _lengths_block(scan_ptr, snaps_ptr, seg_tile_ptr, lengths_ptr, block_id, num_tiles,
+                   num_segments, seg_blocks, WORLD: tl.constexpr, BS: tl.constexpr,
+                   BD: tl.constexpr):  # fmt: skip
+    """lengths[d, s] = P(d, s + 1) - P(d, s) for BD dests x BS segments: snapshot rows
+    read along dests, lengths written along segments (segment blocks vary fastest)."""
+    s = (block_id % seg_blocks) * BS + tl.arange(0, BS)
+    d = (block_id // seg_blocks) * BD + tl.arange(0, BD)
+    lo = _boundary_positions(scan_ptr, snaps_ptr, seg_tile_ptr, s, d, num_tiles,
+                             num_segments, WORLD)  # fmt: skip
+    hi = _boundary_positions(scan_ptr, snaps_ptr, seg_tile_ptr, s + 1, d, num_tiles,
+                             num_segments, WORLD)  # fmt: skip
+    m = (d[:, None] < WORLD) & (s[None, :] < num_segments)
+    tl.store(lengths_ptr + d[:, None].to(tl.int64) * num_segments + s[None, :],
+             (hi - lo).to(lengths_ptr.dtype.element_ty), mask=m)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_segments", "num_keys", "et_blocks",
+                               "len_blocks", "seg_blocks"])  # fmt: skip
+def _v4_finish_rows_kernel(
+    scan_ptr,
+    snaps_ptr,
+    seg_tile_ptr,
+    key_tile_first_ptr,
+    et_ptr,
+    lengths_ptr,
+    splits_ptr,
+    key_counts_ptr,
+    num_tiles,
+    num_segments,
+    num_keys,
+    et_blocks,
+    len_blocks,
+    seg_blocks,
+    WORLD: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """lengths="rows", three program ranges, every one a [dest] x [tile or segment] block
+    whose reads and writes both run along a contiguous axis:
+
+    * [0, et_blocks): et[t, d] = exclusive scan at (d, t) for BD dests x BT tiles (read
+      along tiles, written along dests);
+    * then len_blocks: lengths[d, s] = P(d, s + 1) - P(d, s) (`_boundary_positions`)
+      for BD dests x BS segments (snapshot rows read along dests, lengths written along
+      segments); a segment spanning tiles needs no special case (the scan counts the
+      tiles in between);
+    * then W / BLOCK_D programs: splits and key_counts (`_splits_block`)."""
+    pid = tl.program_id(0)
+    if pid < et_blocks:
+        _et_block(scan_ptr, et_ptr, pid, num_tiles, WORLD, BT, BD)
+    else:
+        if pid < et_blocks + len_blocks:
+            _lengths_block(scan_ptr, snaps_ptr, seg_tile_ptr, lengths_ptr, pid - et_blocks,
+                           num_tiles, num_segments, seg_blocks, WORLD, BS, BD)  # fmt: skip
+        else:
+            d_block = pid - et_blocks - len_blocks
+            _splits_block(scan_ptr, key_tile_first_ptr, splits_ptr, key_counts_ptr, d_block,
+                          num_tiles, num_keys, WORLD, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -470,12 +699,23 @@ class V4Config:
     chunk: ids ranked together (16 or 32): a lane each of the rank program's one warp.
     scatter_block: ids per scatter program (power of two >= 16).
     scatter_warps: warps per scatter program.
+    lengths_mode: how the per-(dest, segment) lengths are made. "rows" (default): the rank
+        program stores a contiguous [W] counter snapshot per segment it owns and a blocked
+        pass writes lengths[d, s] = P(d, s + 1) - P(d, s) row by row. "columns" (the first
+        v4): the rank program writes each segment's W counts straight into the [W][S]
+        output (W stores S * 8 bytes apart per segment) and the finish kernel fixes up
+        segments that cross tiles. See "Cost that grows with W" in the module docstring.
+    finish_block: "rows" only: dests x (tiles or segments) per block of the finish pass
+        (power of two, 16..256; 32: a [32, 32] block of int64 positions, twice, is ~8
+        values per thread of 4 warps each).
     """
 
     tile: int
     chunk: int = 32
     scatter_block: int = 1024
     scatter_warps: int = 4
+    lengths_mode: str = "rows"
+    finish_block: int = 32
 
 
 def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
@@ -488,7 +728,7 @@ def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config
     """
     del world_size
     if device.type == "cpu":
-        return V4Config(tile=64, chunk=16, scatter_block=32)
+        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16)
     tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
     return V4Config(tile=tile)
 
@@ -498,11 +738,14 @@ def _check(cfg: V4Config, world_size: int) -> None:
         ("tile", cfg.tile, MAX_TILE),
         ("chunk", cfg.chunk, 32),
         ("scatter_block", cfg.scatter_block, 1 << 16),
+        ("finish_block", cfg.finish_block, 256),
     ):
         if x & (x - 1) or not 16 <= x <= hi:
             raise ValueError(f"{name} must be a power of two in [16, {hi}], got {x}")
     if world_size > MAX_WORLD:
         raise ValueError(f"ranged_dispatch_v4 supports world_size <= {MAX_WORLD}")
+    if cfg.lengths_mode not in LENGTHS_MODES:
+        raise ValueError(f"lengths_mode must be one of {LENGTHS_MODES}, got {cfg.lengths_mode!r}")
 
 
 def ranged_dispatch_v4(
@@ -517,9 +760,12 @@ def ranged_dispatch_v4(
     chunk: Optional[int] = None,
     scatter_block: Optional[int] = None,
     scatter_warps: Optional[int] = None,
+    lengths_mode: Optional[str] = None,
+    finish_block: Optional[int] = None,
 ) -> DispatchResult:
     """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
-    as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`."""
+    as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`
+    (``lengths_mode="columns"`` selects the first v4's lengths path, see `V4Config`)."""
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     n, nseg, dev = values.numel(), num_keys * batch, values.device
     if n == 0:
@@ -532,6 +778,8 @@ def ranged_dispatch_v4(
         chunk=chunk or base.chunk,
         scatter_block=scatter_block or base.scatter_block,
         scatter_warps=scatter_warps or base.scatter_warps,
+        lengths_mode=lengths_mode or base.lengths_mode,
+        finish_block=finish_block or base.finish_block,
     )
     _check(cfg, world_size)
     values, lengths = values.contiguous(), lengths.contiguous()
@@ -564,34 +812,57 @@ def ranged_dispatch_v4(
     )  # fmt: skip
     tiles = (tile_key, tile_start, tile_end)
 
-    # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, owned lengths
+    # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, and per segment
+    # either a [W] counter snapshot row ("rows") or its lengths ("columns")
     rows = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
     ranks = torch.empty(n, dtype=torch.int32, device=dev)
     counts = torch.empty(world_size * num_tiles, dtype=torch.int32, device=dev)
-    head = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
-    tail = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
-    _v4_rank_kernel[(num_tiles,)](
-        values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows, ranks,
-        counts, head, tail, new_lengths, num_tiles, nseg, WORLD=world_size, MODULO=modulo,
-        CHUNK=cfg.chunk, WB=min(wp, 256), num_warps=1,
-    )  # fmt: skip
+    rank_common = (values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows,
+                   ranks, counts)  # fmt: skip
+    rank_meta = {"WORLD": world_size, "MODULO": modulo, "CHUNK": cfg.chunk,
+                 "WB": min(wp, 256), "num_warps": 1}  # fmt: skip
+    if cfg.lengths_mode == "rows":
+        snaps = torch.empty(nseg * world_size, dtype=torch.int32, device=dev)
+        seg_tile = torch.empty(nseg, dtype=torch.int32, device=dev)
+        _v4_rank_rows_kernel[(num_tiles,)](*rank_common, snaps, seg_tile, num_tiles,
+                                           **rank_meta)  # fmt: skip
+    else:
+        head = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+        tail = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+        _v4_rank_kernel[(num_tiles,)](*rank_common, head, tail, new_lengths, num_tiles, nseg,
+                                      **rank_meta)  # fmt: skip
 
     # 4. inclusive scan in [dest][tile] order; the exclusive value at (d, t), the output
     # position of tile t's first id of dest d, sits one entry earlier
     index_dtype = torch.int32 if n < 2**31 else torch.int64
     scan = torch.cumsum(counts, 0, dtype=index_dtype)
 
-    # 5. the scan as [tile][dest] rows, segments crossing tiles, splits, key counts
+    # 5. the scan as [tile][dest] rows, lengths ("rows") or segments crossing tiles
+    # ("columns"), splits, key counts
     et = torch.empty(num_tiles * world_size, dtype=index_dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
     key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
     block_d = 256
-    _v4_finish_kernel[(num_tiles + triton.cdiv(world_size, block_d),)](
-        scan, seg_offsets, key_tile_first, tile_key, tile_end, tile_seg_lo, tile_seg_hi, head,
-        tail, et, new_lengths, splits, key_counts, num_tiles, nseg, num_keys, batch,
-        WORLD=world_size, TILE=cfg.tile, WB=min(wp, 1024), BLOCK_D=block_d, num_warps=4,
-    )  # fmt: skip
+    if cfg.lengths_mode == "rows":
+        fb = cfg.finish_block
+        bd = min(wp, fb)
+        d_blocks = triton.cdiv(world_size, bd)
+        et_blocks = triton.cdiv(num_tiles, fb) * d_blocks
+        seg_blocks = triton.cdiv(nseg, fb)
+        len_blocks = seg_blocks * d_blocks
+        grid = (et_blocks + len_blocks + triton.cdiv(world_size, block_d),)
+        _v4_finish_rows_kernel[grid](
+            scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
+            num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
+            BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    else:
+        _v4_finish_kernel[(num_tiles + triton.cdiv(world_size, block_d),)](
+            scan, seg_offsets, key_tile_first, tile_key, tile_end, tile_seg_lo, tile_seg_hi,
+            head, tail, et, new_lengths, splits, key_counts, num_tiles, nseg, num_keys, batch,
+            WORLD=world_size, TILE=cfg.tile, WB=min(wp, 1024), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
 
     # 6. scatter
     out_values = torch.empty_like(values)
