@@ -8,8 +8,10 @@
 #   bash benchmarks/e2e_gpu.sh vcheck  # verify then check in one call (~6 min)
 #   bash benchmarks/e2e_gpu.sh kernels # ~3.5 min: segment-sum + dispatch bitwise checks, then
 #                                      # benchmarks/kernels.py (the kernels figure)
-#   bash benchmarks/e2e_gpu.sh kfig    # <= 9 min: benchmarks/kernels.py alone (v1-v4; v4 is
-#                                      # bitwise-checked against v3 before timing)
+#   bash benchmarks/e2e_gpu.sh kfig    # ~3 min: benchmarks/kernels.py alone (v1-v4, both v4
+#                                      # paths; each checked against v3 before timing)
+#   bash benchmarks/e2e_gpu.sh kprof   # ~5 min: per-kernel profile of v3 / v4 / v4_columns
+#                                      # at W = 8, 64, 1024, then kfig
 #   bash benchmarks/e2e_gpu.sh sparse  # ~3 min: padded sparse update bitwise on CUDA + 150-step
 #                                      # vanilla (sync vs padded update) and freescale runs
 #   bash benchmarks/e2e_gpu.sh host    # ~2 min: where the host time goes (trace_host.py on a
@@ -96,6 +98,13 @@ kfig)
   timeout 560 python benchmarks/kernels.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
     > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; tail -16 "$OUT/kernels.log"
+  ;;
+kprof)
+  # (~2 min) per-kernel device time of v3 and both v4 paths at W = 8, 64, 1024 (which v4
+  # kernel grows with W), then the kernels figure (both v4 paths timed; ~3 min)
+  timeout 200 python benchmarks/profile_dispatch.py --out "$OUT" --versions v3 v4 v4_columns \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | grep -E "device; top|SKIPPED|MISMATCH|wrote"
+  bash "$0" kfig
   ;;
 kernels)
   # the Triton per-row sum / mask positions and the dispatch kernels bitwise on CUDA, then
@@ -298,5 +307,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|ncclov|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|ncclov|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

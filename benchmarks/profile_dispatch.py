@@ -85,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument(
+        "--versions",
+        nargs="+",
+        default=["v1", "v2", "v3"],
+        choices=["v1", "v2", "v3", "v4", "v4_columns"],
+        help="kernels to profile (v4: triton_dispatch_v4, lengths_mode='rows'; v4_columns: "
+        "the first v4); an experimental v4 that fails to compile or disagrees is skipped",
+    )
     args = ap.parse_args(argv)
     from freescale.kernels import triton_impl
 
@@ -96,11 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loads = [("per_rank", 128, None), ("large", 8192, 1 << 26)]
         worlds, calls = WORLDS, args.calls
-    versions = {
+    from freescale.kernels import triton_dispatch_v4
+
+    every = {
         "v1": triton_impl.ranged_dispatch_v1,
         "v2": triton_impl.ranged_dispatch,
         "v3": partial(triton_impl.ranged_dispatch_v1, dest_major=True),
+        "v4": partial(triton_dispatch_v4.ranged_dispatch_v4, lengths_mode="rows"),
+        "v4_columns": partial(triton_dispatch_v4.ranged_dispatch_v4, lengths_mode="columns"),
     }
+    versions = {v: every[v] for v in args.versions}
     rows, headline = [], {}
     for name, batch, total in loads:
         wl = make_workload(name, batch, total, device, seed=0, smoke=args.smoke)
@@ -108,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             bs = block_sizes_for(w, device)
             ref = reference.ranged_dispatch(wl["values"], wl["lengths"], bs, w)
             for ver, impl in versions.items():
-                got = impl(wl["values"], wl["lengths"], bs, w)
+                try:
+                    got = impl(wl["values"], wl["lengths"], bs, w)
+                except Exception as exc:
+                    if not ver.startswith("v4"):
+                        raise
+                    print(f"SKIPPED {name} W={w} {ver}: {exc!r}"[:400], flush=True)
+                    headline[f"{name}_w{w}_{ver}_error"] = repr(exc)[:300]
+                    continue
                 if not _equal(got, ref):
                     print(f"MISMATCH {name} W={w} {ver}", file=sys.stderr)
                     return 1
