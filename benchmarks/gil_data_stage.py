@@ -1,0 +1,177 @@
+"""How long the data stage's work holds the interpreter lock (host diagnostic).
+
+The data-stage thread (pipeline/data_stage.py) makes the batches of steps t+1 / t+2 while
+the training thread drives step t; both are Python threads of one process, so whenever
+the data stage runs Python code (or a C call that keeps the lock) the training thread's
+next launches wait. This measures that wait directly: each of 2 gloo ranks runs the
+data-stage work on a background thread — the synthetic loader alone, or the loader plus
+FBS balancing (metadata all-gathers, plan, sample all-to-all) — for the GPU default
+workload (128 samples per rank, max UIH 16K, median 1K, 1M items, Zipf s=0.6), while a
+:class:`~freescale.metrics.host_cpu.GilProbe` on the main thread records how late it
+wakes every 1 ms. A lateness near the switch interval (5 ms by default) means the work
+holds the lock for long stretches; near the OS timer's slack (~0.1 ms), it releases it.
+Caveat: lateness also counts waiting for a free core. With two ranks, each with a busy
+data thread and gloo's threads, a 2-core machine has more runnable threads than cores,
+and the probe then measures the scheduler as much as the lock (a shorter switch
+interval not helping is the sign); on the GPU host (16 cores per GPU) it is the lock.
+
+    python benchmarks/gil_data_stage.py --out benchmarks/results
+
+writes ``gil_data_stage.json`` (figure, device, git sha, date, command, rows, headline):
+per (work, switch interval) the probe's wake count, mean, p50 / p90 / p99 / max lateness
+and the share of wakes over 1 ms, plus the work's thread CPU and wall per batch. Host
+timings of this machine only; no assertion anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _git_sha(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def _rank(
+    rank: int, world: int, port: int, work: str, switch_ms: float | None, batches: int, q: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    if switch_ms is not None:
+        sys.setswitchinterval(switch_ms / 1e3)
+    from freescale.balance.coordinator import BalanceCoordinator, CoordinatorConfig
+    from freescale.balance.planner import BalanceConfig, Planner
+    from freescale.comm.base import Communicator
+    from freescale.config import DataConfig
+    from freescale.data.synthetic import SyntheticSource
+    from freescale.metrics.host_cpu import GilProbe
+
+    d = DataConfig(global_batch_size=128 * world, seed=0, zipf_s=0.6)
+    d.num_items, d.max_uih, d.median_uih = 1_000_000, 16_384, 1024
+    src = SyntheticSource(d)
+    comm = Communicator(dist.new_group(backend="gloo"), name="balance")
+    planner = Planner(BalanceConfig(partitioner="fbs"), world, rank)
+    coord = BalanceCoordinator(comm, planner, CoordinatorConfig(max_local_samples=128))
+    for s in range(3):  # warm-up outside the window
+        b = src.local_batch(s, rank, world)
+        if work == "loader+fbs":
+            coord.balance(b)
+    dist.barrier()
+    cpu: list[float] = []
+
+    def run() -> None:
+        c0 = time.thread_time()
+        for s in range(3, 3 + batches):
+            b = src.local_batch(s, rank, world)
+            if work == "loader+fbs":
+                coord.balance(b)
+        cpu.append(time.thread_time() - c0)
+
+    probe = GilProbe(1.0)
+    probe.start()
+    t0 = time.perf_counter()
+    th = threading.Thread(target=run, name="freescale-data-stage-probe")
+    th.start()
+    th.join()
+    wall = time.perf_counter() - t0
+    stats = probe.stop() or {}
+    if rank == 0:
+        q.put(
+            {
+                "work": work,
+                "switch_interval_ms": switch_ms if switch_ms is not None else 5.0,
+                "batches": batches,
+                "work_cpu_ms_per_batch": cpu[0] / batches * 1e3,
+                "work_wall_ms_per_batch": wall / batches * 1e3,
+                **{f"gil_{k}": v for k, v in stats.items()},
+            }
+        )
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="folder for gil_data_stage.json")
+    ap.add_argument("--batches", type=int, default=60)
+    ap.add_argument("--git-sha", default=os.environ.get("FREESCALE_GIT_SHA"))
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for work in ("loader", "loader+fbs"):
+        for sw in (None, 0.5):
+            q = ctx.Queue()
+            port = _free_port()
+            procs = [
+                ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q))
+                for r in range(2)
+            ]
+            for p in procs:
+                p.start()
+            row = q.get(timeout=600)
+            for p in procs:
+                p.join(timeout=60)
+                if p.exitcode != 0:
+                    raise RuntimeError(f"rank process exited with {p.exitcode} ({work}, {sw})")
+            rows.append(row)
+            print(
+                json.dumps(
+                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+                ),
+                flush=True,
+            )
+    head = {
+        f"{r['work']}_switch{r['switch_interval_ms']:g}ms_gil_p99_ms": r.get("gil_p99_ms")
+        for r in rows
+    }
+    report = {
+        "figure": "gil_data_stage",
+        "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "git_sha": _git_sha(args.git_sha),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "caveat": (
+            "lateness = waiting for the interpreter lock + waiting for a free core; with "
+            f"{os.cpu_count()} cores and 2 ranks of busy threads the second may dominate"
+        ),
+        "rows": rows,
+        "headline": head,
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "gil_data_stage.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
