@@ -22,6 +22,7 @@ from freescale.data import (
     truncate_uih,
     validate_batch,
 )
+from freescale.data.batch import lengths_to_offsets
 from freescale.data.loader import LoaderError, PrefetchingLoader
 from freescale.data.movielens import MovieLensSource, detect_format, load_interactions
 from freescale.data.synthetic import _uniform, zipf_ranks_reference
@@ -604,3 +605,34 @@ def test_loader_close_while_producer_blocked() -> None:
     time.sleep(0.05)  # the producer is now blocked on the full queue
     ld.close()
     assert not ld._thread.is_alive()
+
+
+def test_select_matches_a_per_sample_loop() -> None:
+    """``JaggedBatch.select`` (one gather index per key, shared by the timestamps) equals
+    slicing sample by sample, on fresh random batches with empty histories, repeated and
+    dropped samples, and an empty selection."""
+    g = torch.Generator().manual_seed(11)
+    src = SyntheticSource(
+        DataConfig(global_batch_size=24, median_uih=3, max_uih=12, min_uih=1),
+        with_timestamps=True,
+    )
+    for step in range(5):
+        b = src.global_batch(step)
+        for k in b.uih:  # some empty histories
+            b.uih_lengths[k][:: 5 + step] = 0
+        off = {k: lengths_to_offsets(b.uih_lengths[k]) for k in b.uih}
+        b.uih = {k: b.uih[k][: int(off[k][-1])] for k in b.uih}  # consistent after zeroing
+        b.timestamps = {k: v[: int(off[k][-1])] for k, v in b.timestamps.items()}
+        n = int(torch.randint(0, 40, (1,), generator=g))
+        order = torch.randint(0, b.batch_size, (n,), generator=g)
+        got = b.select(order)
+        for k in b.uih:
+            o = off[k]
+            want = [b.uih[k][o[i] : o[i + 1]] for i in order.tolist()]
+            assert torch.equal(got.uih[k], torch.cat(want) if want else b.uih[k][:0])
+            if k in b.timestamps:
+                ts = b.timestamps[k]
+                want_ts = [ts[o[i] : o[i + 1]] for i in order.tolist()]
+                assert torch.equal(got.timestamps[k], torch.cat(want_ts) if want_ts else ts[:0])
+            assert got.uih_lengths[k].tolist() == [int(o[i + 1] - o[i]) for i in order.tolist()]
+        assert got.sample_ids.tolist() == [int(b.sample_ids[i]) for i in order.tolist()]

@@ -108,9 +108,11 @@ def _transpose_blocks(buf: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
     sizes_t = sizes.T.reshape(-1)
     out_start = np.cumsum(sizes_t) - sizes_t
     shift = torch.from_numpy(in_start.T.reshape(-1) - out_start).to(buf.device)
-    idx = torch.repeat_interleave(shift, torch.from_numpy(sizes_t).to(buf.device))
+    idx = torch.repeat_interleave(
+        shift, torch.from_numpy(sizes_t).to(buf.device), output_size=total
+    )
     idx += torch.arange(total, device=buf.device)
-    return buf[idx]
+    return buf.index_select(0, idx)  # not buf[idx]: same values, less CPU
 
 
 def _segment_sums(lengths: torch.Tensor, bounds: np.ndarray) -> np.ndarray:
