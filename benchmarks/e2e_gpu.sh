@@ -252,6 +252,12 @@ gil)
   echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-600
   rm -rf "$OUT/e2e_gil/traces" "$OUT"/e2e_gil/*.png
   ;;
+gildata)
+  # (~1 min) the data stage's lock hold on the GPU host (enough cores: the lock, not the
+  # scheduler): loader and loader + FBS on a thread, a GIL probe on the main thread
+  timeout 200 python benchmarks/gil_data_stage.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
+    2>&1 | grep -E "^\{|wrote"
+  ;;
 ncclov)
   # (~4 min) the collective prepare_backward with a NCCL side group (64cecfa): tier 1 on
   # CUDA (rows say prepare_blocks), then freescale_nccl_overlap at 1,000 steps (it stalled
@@ -307,5 +313,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|ncclov|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac
