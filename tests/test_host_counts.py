@@ -87,3 +87,20 @@ class _PlanOnly:
         self.world_size, self.rank, self.name = w, 0, "fake"
         self.device = torch.device("cpu")
         self.group = None
+
+
+def test_owner_counts_matches_the_owner_rule():
+    """``owner_counts`` (the host counts' fast path) counts exactly the owners of
+    ``owner_and_local`` (fbgemm's block rule) on fresh random ids: ids past the W blocks
+    (modulo fallback), block borders, W = 1, int32 ids, no ids."""
+    from freescale.kernels.reference import owner_and_local, owner_counts
+
+    g = torch.Generator().manual_seed(5)
+    for w, blk in ((1, 7), (2, 500), (3, 4), (8, 1), (16, 1000)):
+        ids = torch.randint(0, blk * w + 50, (2000,), generator=g)
+        ids[:w] = torch.arange(w) * blk  # block borders
+        for t in (ids, ids.to(torch.int32), ids[:0]):
+            keys = torch.zeros(t.numel(), dtype=torch.int64)
+            owner, _ = owner_and_local(t, keys, torch.tensor([blk]), w, "block")
+            want = torch.bincount(owner, minlength=w)
+            assert torch.equal(owner_counts(t, blk, w), want), (w, blk, t.dtype)

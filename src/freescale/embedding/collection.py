@@ -36,7 +36,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
-from ..kernels.reference import owner_and_local
+from ..kernels.reference import owner_counts
 from .optim import FusedSparseOptimizer
 from .reduce import (
     PendingRowGroups,
@@ -327,15 +327,12 @@ class ShardedEmbeddingCollection(nn.Module):
         lets the id dist skip reading counts back from the device (DESIGN.md 3)."""
         w = self.comm.world_size
         out = torch.zeros(w, len(self.plan.features), dtype=torch.int64)
-        zero = torch.zeros(1, dtype=torch.int64)
         for k, f in enumerate(self.plan.features):
             v = features[f][0]
             if v.device.type != "cpu":
                 raise ValueError(f"host_counts: feature '{f}' is on {v.device}, not the host")
             if v.numel():
-                keys = zero.expand(v.numel())
-                owner, _ = owner_and_local(v, keys, self._block_sizes[k : k + 1], w, "block")
-                out[:, k] = torch.bincount(owner, minlength=w)
+                out[:, k] = owner_counts(v, int(self._block_sizes[k]), w)
         return out
 
     def register_counts(

@@ -62,6 +62,19 @@ def owner_and_local(
     return owner, local
 
 
+def owner_counts(ids: torch.Tensor, block_size: int, world_size: int) -> torch.Tensor:
+    """(W,) int64: how many of ``ids`` (one key, block mode) each rank owns — the owner
+    rule of :func:`owner_and_local` with a scalar block size, without the local rows or
+    a per-id block-size gather (the host-side id counts run this per feature and step)."""
+    ids = ids.to(torch.int64)
+    owner = torch.where(
+        ids < block_size * world_size,
+        torch.div(ids, block_size, rounding_mode="floor"),
+        ids.remainder(world_size),
+    )
+    return torch.bincount(owner, minlength=world_size)
+
+
 def segment_ids(lengths: torch.Tensor, num_values: int) -> torch.Tensor:
     """(N,) int64: index of the segment (entry of `lengths`) each value belongs to."""
     segments = torch.arange(lengths.numel(), device=lengths.device)
