@@ -4,8 +4,10 @@ The data-stage thread (pipeline/data_stage.py) makes the batches of steps t+1 / 
 the training thread drives step t; both are Python threads of one process, so whenever
 the data stage runs Python code (or a C call that keeps the lock) the training thread's
 next launches wait. This measures that wait directly: each of 2 gloo ranks runs the
-data-stage work on a background thread — the synthetic loader alone, or the loader plus
-FBS balancing (metadata all-gathers, plan, sample all-to-all) — for the GPU default
+data-stage work on a background thread — the synthetic loader alone, the loader plus
+FBS balancing (metadata all-gathers, plan, sample all-to-all), and that plus the
+host-side id counts per owner (`kernels.reference.owner_counts`, what `host_counts`
+runs; "counts_old": the owner_and_local path it replaced, for the A/B) — for the GPU default
 workload (128 samples per rank, max UIH 16K, median 1K, 1M items, Zipf s=0.6), while a
 :class:`~freescale.metrics.host_cpu.GilProbe` on the main thread records how late it
 wakes every 1 ms. A lateness near the switch interval (5 ms by default) means the work
@@ -79,19 +81,39 @@ def _rank(
     comm = Communicator(dist.new_group(backend="gloo"), name="balance")
     planner = Planner(BalanceConfig(partitioner="fbs"), world, rank)
     coord = BalanceCoordinator(comm, planner, CoordinatorConfig(max_local_samples=128))
-    for s in range(3):  # warm-up outside the window
+    from freescale.kernels.reference import owner_and_local, owner_counts
+
+    # row-wise blocks as the GPU default's tables have them (items 1M rows, actions few)
+    blocks = {"uih_item": -(-d.num_items // world), "uih_action": -(-d.num_actions // world)}
+
+    def counts(b: Any, old: bool) -> None:
+        feats = [(b.uih[k], blocks[k]) for k in b.uih] + [(b.candidates, blocks["uih_item"])]
+        for v, blk in feats:
+            if old:
+                keys = torch.zeros(1, dtype=torch.int64).expand(v.numel())
+                owner, _ = owner_and_local(v, keys, torch.tensor([blk]), world, "block")
+                torch.bincount(owner, minlength=world)
+            else:
+                owner_counts(v, blk, world)
+
+    def one(s: int) -> None:
         b = src.local_batch(s, rank, world)
-        if work == "loader+fbs":
-            coord.balance(b)
+        if work != "loader":
+            b, _ = coord.balance(b)
+        if work.endswith("counts"):
+            counts(b, old=False)
+        elif work.endswith("counts_old"):
+            counts(b, old=True)
+
+    for s in range(3):  # warm-up outside the window
+        one(s)
     dist.barrier()
     cpu: list[float] = []
 
     def run() -> None:
         c0 = time.thread_time()
         for s in range(3, 3 + batches):
-            b = src.local_batch(s, rank, world)
-            if work == "loader+fbs":
-                coord.balance(b)
+            one(s)
         cpu.append(time.thread_time() - c0)
 
     probe = GilProbe(1.0)
@@ -124,29 +146,35 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     rows = []
-    for work in ("loader", "loader+fbs"):
-        for sw in (None, 0.5):
-            q = ctx.Queue()
-            port = _free_port()
-            procs = [
-                ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q))
-                for r in range(2)
-            ]
-            for p in procs:
-                p.start()
-            row = q.get(timeout=600)
-            for p in procs:
-                p.join(timeout=60)
-                if p.exitcode != 0:
-                    raise RuntimeError(f"rank process exited with {p.exitcode} ({work}, {sw})")
-            rows.append(row)
-            print(
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                ),
-                flush=True,
-            )
-    head = {
+    works = [("loader", None), ("loader", 0.5), ("loader+fbs", None), ("loader+fbs", 0.5)]
+    works += [("loader+fbs+counts", None), ("loader+fbs+counts_old", None)]
+    for work, sw in works:
+        q = ctx.Queue()
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        row = q.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"rank process exited with {p.exitcode} ({work}, {sw})")
+        rows.append(row)
+        print(
+            json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+            flush=True,
+        )
+    cpu = {(r["work"], r["switch_interval_ms"]): r["work_cpu_ms_per_batch"] for r in rows}
+    head: dict[str, Any] = {
+        "fbs_cpu_ms_per_batch": cpu[("loader+fbs", 5.0)] - cpu[("loader", 5.0)],
+        "counts_cpu_ms_per_batch": cpu[("loader+fbs+counts", 5.0)] - cpu[("loader+fbs", 5.0)],
+        "counts_old_cpu_ms_per_batch": cpu[("loader+fbs+counts_old", 5.0)]
+        - cpu[("loader+fbs", 5.0)],
+    }
+    head |= {
         f"{r['work']}_switch{r['switch_interval_ms']:g}ms_gil_p99_ms": r.get("gil_p99_ms")
         for r in rows
     }
