@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -43,21 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import _git_sha  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _git_sha(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 def _rank(
