@@ -19,10 +19,12 @@ interval not helping is the sign); on the GPU host (16 cores per GPU) it is the 
 
     python benchmarks/gil_data_stage.py --out benchmarks/results
 
-writes ``gil_data_stage.json`` (figure, device, git sha, date, command, rows, headline):
-per (work, switch interval) the probe's wake count, mean, p50 / p90 / p99 / max lateness
-and the share of wakes over 1 ms, plus the work's thread CPU and wall per batch. Host
-timings of this machine only; no assertion anywhere.
+``--profile`` runs loader+fbs+counts alone under cProfile (rank 0) and prints where the
+data stage's CPU goes (no figure). Otherwise it writes ``gil_data_stage.json`` (figure,
+device, git sha, date, command, rows, headline): per (work, switch interval) the probe's
+wake count, mean, p50 / p90 / p99 / max lateness and the share of wakes over 1 ms, plus
+the work's thread CPU and wall per batch. Host timings of this machine only; no
+assertion anywhere.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ def _free_port() -> int:
 
 
 def _rank(
-    rank: int, world: int, port: int, work: str, switch_ms: float | None, batches: int, q: Any
+    rank: int,
+    world: int,
+    port: int,
+    work: str,
+    switch_ms: float | None,
+    batches: int,
+    q: Any,
+    profile: bool = False,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -102,11 +111,29 @@ def _rank(
     dist.barrier()
     cpu: list[float] = []
 
+    prof_text: list[str] = []
+
     def run() -> None:
+        prof = None
+        if profile and rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         c0 = time.thread_time()
         for s in range(3, 3 + batches):
             one(s)
         cpu.append(time.thread_time() - c0)
+        if prof is not None:
+            import io
+            import pstats
+
+            prof.disable()
+            buf = io.StringIO()
+            st = pstats.Stats(prof, stream=buf)
+            st.sort_stats("tottime").print_stats(25)
+            st.sort_stats("cumulative").print_stats(25)
+            prof_text.append(buf.getvalue())
 
     probe = GilProbe(1.0)
     probe.start()
@@ -125,6 +152,7 @@ def _rank(
                 "work_cpu_ms_per_batch": cpu[0] / batches * 1e3,
                 "work_wall_ms_per_batch": wall / batches * 1e3,
                 **{f"gil_{k}": v for k, v in stats.items()},
+                **({"profile": prof_text[0]} if prof_text else {}),
             }
         )
     dist.destroy_process_group()
@@ -135,16 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for gil_data_stage.json")
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--git-sha", default=os.environ.get("FREESCALE_GIT_SHA"))
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="only loader+fbs+counts, under cProfile on rank 0's work thread: prints the "
+        "top functions by own and cumulative time (CPU-time attribution of the data stage; "
+        "writes no figure)",
+    )
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     rows = []
     works = [("loader", None), ("loader", 0.5), ("loader+fbs", None), ("loader+fbs", 0.5)]
     works += [("loader+fbs+counts", None), ("loader+fbs+counts_old", None)]
+    if args.profile:
+        works = [("loader+fbs+counts", None)]
     for work, sw in works:
         q = ctx.Queue()
         port = _free_port()
         procs = [
-            ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q))
+            ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q, args.profile))
             for r in range(2)
         ]
         for p in procs:
@@ -154,11 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             p.join(timeout=60)
             if p.exitcode != 0:
                 raise RuntimeError(f"rank process exited with {p.exitcode} ({work}, {sw})")
+        if "profile" in row:
+            print(row.pop("profile"), flush=True)
         rows.append(row)
         print(
             json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
             flush=True,
         )
+    if args.profile:
+        return 0
     cpu = {(r["work"], r["switch_interval_ms"]): r["work_cpu_ms_per_batch"] for r in rows}
     head: dict[str, Any] = {
         "fbs_cpu_ms_per_batch": cpu[("loader+fbs", 5.0)] - cpu[("loader", 5.0)],
