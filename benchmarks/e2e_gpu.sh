@@ -43,6 +43,10 @@
 #   bash benchmarks/e2e_gpu.sh gil     # ~6 min: GIL wait per variant; switch interval 0.5 ms
 #                                      # vs 5 (vanilla, freescale); 2 passes (--repeats 2)
 #   bash benchmarks/e2e_gpu.sh ncclov  # ~4 min: tier-1 check, freescale_nccl_overlap 1,000 steps
+#   bash benchmarks/e2e_gpu.sh pin     # ~6 min: thread pinning A/B (pipeline/placement.py):
+#                                      # vanilla, freescale, freescale_pinned, vanilla_pinned,
+#                                      # 500 steps, 2 passes; prints the host's CPU topology
+#   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -252,6 +256,26 @@ gil)
   echo "gil rc=$?"; grep -E "^\| " "$OUT/e2e_gil/e2e.md" | cut -c1-600
   rm -rf "$OUT/e2e_gil/traces" "$OUT"/e2e_gil/*.png
   ;;
+pin)
+  # (~6 min) does freescale's bimodal QPS (4,400-6,100 across runs of one code at e756e56)
+  # come from where its host threads land? Pinned by role vs left to the scheduler, two
+  # passes; the report's host_topology says whether the host has SMT
+  lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node[0-9]* CPU|Model name)" || true
+  timeout 560 $E2E --out "$OUT/e2e_pin" --nproc 2 --steps "${PIN_STEPS:-500}" --repeats 2 \
+    --profile-activities cuda --variants vanilla freescale freescale_pinned vanilla_pinned \
+    > "$OUT/e2e_pin.log" 2>&1
+  echo "pin rc=$?"; grep -E "^\| |^Host" "$OUT/e2e_pin/e2e.md" | cut -c1-400
+  grep -h "placement" "$OUT/e2e_pin.log" | head -4
+  rm -rf "$OUT/e2e_pin/traces" "$OUT"/e2e_pin/*.png
+  ;;
+smc)
+  # (~3 min) issue 6's figure with the copy engine's device-side completion (the default)
+  mkdir -p "$OUT/smc"
+  timeout 400 python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \
+    --out "$OUT/smc" --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/smc.log" 2>&1
+  echo "sm_contention rc=$?"; tail -30 "$OUT/smc.log"
+  rm -f "$OUT"/smc/*.png
+  ;;
 gildata)
   # (~1 min) the data stage's lock hold on the GPU host (enough cores: the lock, not the
   # scheduler): loader and loader + FBS on a thread, a GIL probe on the main thread
@@ -313,5 +337,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

@@ -175,8 +175,9 @@ def test_e2e_report_numerics(pool2, tmp_path):
 
 def test_diagnostic_variants_force_one_setting_only():
     """The sparse-update diagnostics differ from their variant only in
-    ``sparse_update``, the completion diagnostic only in ``copy_engine_completion``;
-    none runs unless named."""
+    ``sparse_update``, the completion diagnostic only in ``copy_engine_completion``, the
+    fast-switch ones only in the switch interval, the pinned ones only in
+    ``pin_threads``; none runs unless named."""
     base = TrainConfig()
     assert not set(DIAGNOSTIC_VARIANTS) & set(VARIANTS)
     pairs = {
@@ -186,7 +187,13 @@ def test_diagnostic_variants_force_one_setting_only():
     }
     others = {"freescale_host_completion", "freescale_late_prepare"}
     switch = {"vanilla_fast_switch": "vanilla", "freescale_fast_switch": "freescale"}
-    assert set(pairs) | others | set(switch) == set(DIAGNOSTIC_VARIANTS)
+    pinned = {"vanilla_pinned": "vanilla", "freescale_pinned": "freescale"}
+    assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
+    for diag, twin in pinned.items():
+        mode = "vanilla" if twin == "vanilla" else "prioritized"
+        got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)
+        assert got.pin_threads and not ref.pin_threads
+        assert got == dataclasses.replace(ref, pin_threads=True, log_path=got.log_path)
     for diag, twin in switch.items():
         mode = "vanilla" if twin == "vanilla" else "prioritized"
         got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)

@@ -253,3 +253,44 @@ def test_profile_activities_option():
     assert any(e.name == "aten::add_" for e in prof.events())
     with pytest.raises(ValueError, match="profile_activities"):
         dataclasses.replace(tiny_config(), profile_activities="gpu")
+
+
+def pinned_run(rank, world, cfg):
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # each rank plans as if alone on the host
+    before = os.sched_getaffinity(0)
+    seen = []
+
+    class Watch(TrainerHook):
+        def after_optimizer(self, trainer, step):  # noqa: ANN001
+            seen.append(os.sched_getaffinity(0))
+
+    tr = Trainer(cfg, hooks=[Watch()])
+    s = tr.train()
+    return s, before, seen, os.sched_getaffinity(0), _state(tr)
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("os"), "sched_setaffinity")
+    or len(__import__("os").sched_getaffinity(0)) < 2,
+    reason="thread pinning needs Linux's sched_setaffinity and at least 2 usable CPUs",
+)
+def test_pin_threads_places_the_training_thread_and_restores(pool2):
+    """``pin_threads``: after the warm-up the training thread runs on the CPU the plan
+    gave it, the summary reports the placement (threads pinned per role), the caller's
+    affinity comes back after training, and parameters are the same bits as without."""
+    cfg = tiny_config(steps=8)
+    ref = pool2.run(train_and_state, cfg)
+    out = pool2.run(pinned_run, dataclasses.replace(cfg, pin_threads=True))
+    for (s, before, seen, after, state), r in zip(out, ref):
+        pl = s["placement"]
+        assert pl["pinned"] and pl["threads"]["training"] == 1, pl
+        assert pl["topology"]["logical_cpus"] >= 2
+        train_cpus = set(pl["cpus"]["training"])
+        assert len(train_cpus) == 1 and seen and seen[-1] == train_cpus
+        assert after == before
+        for n, (lo, t) in r["tables"].items():
+            assert state["tables"][n][0] == lo and torch.equal(state["tables"][n][1], t), n
+        for k, v in r["dense"].items():
+            assert torch.equal(v, state["dense"][k]), k

@@ -125,6 +125,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "many ms and records how late it runs (0 = off; summary line 'GIL wait')",
     )
     p.add_argument(
+        "--pin-threads",
+        action="store_true",
+        help="pin this rank's host threads by role: training and autograd threads a "
+        "physical core each, data stage and loader a CPU each, the rest the other cores "
+        "of the rank's share (Linux; summary line 'placement')",
+    )
+    p.add_argument(
         "--late-prepare",
         action="store_true",
         help="prioritized: run the gradient-free part of the backward when the dense "
@@ -273,6 +280,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         early_prepare=not getattr(args, "late_prepare", False),
         gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
+        pin_threads=getattr(args, "pin_threads", False),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,
         profile_activities=getattr(args, "profile_activities", "auto"),
@@ -386,6 +394,17 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"p99 {gw['p99_ms']:.2f}, max {gw['max_ms']:.1f}; "
                 f"{gw['share_over_1ms']:.0%} of wakes over 1 ms"
             )
+    pl = s.get("placement")
+    if pl:
+        topo = pl.get("topology", {})
+        line = (
+            f"placement (rank 0; host {topo.get('physical_cores')} cores x {topo.get('smt')} SMT): "
+        )
+        if pl.get("pinned"):
+            cpus = "; ".join(f"{k} {v}" for k, v in pl["cpus"].items())
+            print(line + f"pinned: {cpus} (threads per role {pl['threads']})")
+        else:
+            print(line + "not pinned" + (f" ({'; '.join(pl['notes'])})" if pl["notes"] else ""))
     acc = s.get("gpu_accounting")
     if acc and acc.get("available"):
         print(

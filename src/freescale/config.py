@@ -190,6 +190,11 @@ class TrainConfig:
     # host: measure that wait over the timed steps (metrics.host_cpu.GilProbe, one wake
     # per this many ms; 0 = off); reported in the summary's host_cpu["gil_wait"]
     gil_probe_ms: float = 0.0
+    # host: pin this rank's threads by role (pipeline/placement.py): training and autograd
+    # threads a physical core each, data stage and loader a CPU each, the rest the other
+    # cores of the rank's share; applied at the first step and after the warm-up, undone
+    # at the end. Linux only (elsewhere reported as unavailable); no numerical effect
+    pin_threads: bool = False
     # profile the last `profile_steps` steps (excluded from QPS) with torch.profiler and
     # report GPU compute / communication / bubble time per step (pipeline/accounting.py)
     profile_steps: int = 0

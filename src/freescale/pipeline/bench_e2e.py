@@ -40,7 +40,10 @@ runs when the dense backward reaches the embeddings, as before ``prepare_backwar
 same bits); ``vanilla_fast_switch``, ``freescale_fast_switch``: the variant with Python's
 thread switch interval at 0.5 ms instead of 5 (``TrainConfig.gil_switch_interval_ms``:
 how long the training thread may wait for the interpreter lock behind the data-stage
-and communicator threads; same bits). Every variant runs the GIL probe
+and communicator threads; same bits); ``vanilla_pinned``, ``freescale_pinned``: the
+variant with its host threads pinned by role (``TrainConfig.pin_threads``,
+:mod:`~freescale.pipeline.placement`: do the launch threads need a core of their own?
+same bits). Every variant runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -108,6 +111,8 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_late_prepare",
     "vanilla_fast_switch",
     "freescale_fast_switch",
+    "vanilla_pinned",
+    "freescale_pinned",
 )
 # diagnostic variant -> Python's thread switch interval it sets, ms
 # (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
@@ -139,6 +144,8 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_late_prepare": ("prioritized", "fbs"),
     "vanilla_fast_switch": ("vanilla", None),
     "freescale_fast_switch": ("prioritized", "fbs"),
+    "vanilla_pinned": ("vanilla", None),
+    "freescale_pinned": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -217,6 +224,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         copy_engine_completion=_COMPLETION.get(variant, base.copy_engine_completion),  # type: ignore[arg-type]
         early_prepare=base.early_prepare and variant != "freescale_late_prepare",
         gil_switch_interval_ms=_SWITCH.get(variant, base.gil_switch_interval_ms),
+        pin_threads=base.pin_threads or variant.endswith("_pinned"),
     )
 
 
@@ -730,6 +738,13 @@ def _markdown(report: dict[str, Any]) -> str:
         lines.append(f"- `{k}`: {v}")
     if report.get("not_measured"):
         lines += ["", "Not measured here: " + ", ".join(report["not_measured"])]
+    topo = report.get("host_topology")
+    if topo:
+        lines += [
+            "",
+            f"Host (rank 0): {topo['logical_cpus']} logical CPUs, {topo['physical_cores']} "
+            f"physical cores, SMT {topo['smt']}.",
+        ]
     lines += [
         "",
         "GPU columns: per step over the profiled last steps, mean over ranks "
@@ -827,6 +842,15 @@ def write_report(
     report: dict[str, Any] = {
         "figure": "e2e",
         "device": result.get("device"),
+        # rank 0's host: logical CPUs, physical cores, SMT width (pipeline/placement.py)
+        "host_topology": next(
+            (
+                r["summary"]["placement"]["topology"]
+                for r in rows
+                if (r.get("summary") or {}).get("placement")
+            ),
+            None,
+        ),
         "world_size": result.get("world_size"),
         "git_sha": _git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

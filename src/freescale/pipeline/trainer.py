@@ -27,6 +27,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -51,6 +52,7 @@ from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
 from .data_stage import DataStageThread, PreparedBatch
 from .distributed import RankContext, check_config_hash, init_distributed
+from .placement import Placement, apply_placement, cpu_topology, plan_placement, topology_summary
 
 if TYPE_CHECKING:
     from ..comm.copy_engine import SMFreeConfig
@@ -458,6 +460,32 @@ class Trainer:
         dt = self.cfg.data_thread
         return self.device.type == "cuda" if dt is None else bool(dt)
 
+    def _placement_plan(self) -> Placement | None:
+        """This rank's thread placement when ``cfg.pin_threads`` (None otherwise, or
+        when it cannot apply here: the report says why)."""
+        if not self.cfg.pin_threads:
+            return None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        plan = plan_placement(cpu_topology(), self.ctx.local_rank % local_world, local_world)
+        if not hasattr(os, "sched_setaffinity"):
+            plan.available = False
+            plan.notes.append("os.sched_setaffinity is not available on this platform")
+        return plan if plan.available else None
+
+    def _placement_report(self, pin: Placement | None, counts: dict[str, int]) -> dict[str, Any]:
+        """Host topology, and the placement in force (or why none) for the summary."""
+        out: dict[str, Any] = {"topology": topology_summary(), "pinned": pin is not None}
+        if pin is not None:
+            out |= {"cpus": {k: list(v) for k, v in pin.cpus.items()}, "threads": counts}
+            out["notes"] = list(pin.notes)
+        elif self.cfg.pin_threads:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            plan = plan_placement(cpu_topology(), self.ctx.local_rank % local_world, local_world)
+            out["notes"] = plan.notes or ["pinning unavailable here"]
+        else:
+            out["notes"] = []
+        return out
+
     def _ahead_hooks(self) -> int:
         """How many leading hooks run on the data-stage thread (``ahead_safe``)."""
         n = 0
@@ -688,6 +716,9 @@ class Trainer:
             return out
 
         switch_before = sys.getswitchinterval()  # restored in the finally below
+        pin = self._placement_plan()
+        pin_counts: dict[str, int] = {}
+        affinity_before = _thread_affinity()  # restored in the finally below
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
@@ -708,6 +739,11 @@ class Trainer:
             if cfg.gil_switch_interval_ms is not None:
                 sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
             for t in range(first, last + 1):
+                if pin is not None and t in (first, first + 1, first + warmup):
+                    # threads created since (autograd's at the first backward, the
+                    # OpenMP teams at their first parallel op) inherit their creator's
+                    # affinity: place them by role again
+                    pin_counts = apply_placement(pin)
                 if t == first + warmup:
                     self._sync()
                     t_start = time.perf_counter()
@@ -774,6 +810,8 @@ class Trainer:
             if t_stop is None:  # before the data-stage thread exits (its CPU time with it)
                 host_cpu = close_cpu_window()
             sys.setswitchinterval(switch_before)
+            if pin is not None:
+                _restore_affinity(affinity_before)
             if stage is not None:
                 stage.close()
                 self._stage = None
@@ -811,6 +849,7 @@ class Trainer:
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             "cpu_threads": self.cpu_threads,
+            "placement": self._placement_report(pin, pin_counts),
             # host CPU ms per step by thread group over the timed steps (metrics.host_cpu)
             "host_cpu": host_cpu,
             "data_thread": {
@@ -1082,6 +1121,42 @@ class _BackwardMark(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, D102
         ctx.marks(ctx.name)
         return grad, None, None
+
+
+def _thread_affinity() -> dict[int, set[int]]:
+    """Every thread's CPU affinity now (native id -> CPUs); empty where unsupported."""
+    out: dict[int, set[int]] = {}
+    if not hasattr(os, "sched_getaffinity"):
+        return out
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out[tid] = os.sched_getaffinity(tid)
+        except OSError:
+            pass
+    return out
+
+
+def _restore_affinity(before: dict[int, set[int]]) -> None:
+    """Undo a placement: threads that existed before get their affinity back, threads
+    created since get the process's (the caller's before the run)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    default = before.get(threading.get_native_id())
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        cpus = before.get(tid, default)
+        if cpus:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
 
 
 def _start_profiler(device: torch.device, activities: str = "auto") -> Any:
