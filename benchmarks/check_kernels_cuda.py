@@ -1,6 +1,7 @@
 """On a GPU: every Triton jagged index kernel against its PyTorch reference on fresh
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
-Dispatch is checked for the sort-free kernel (default and small chunks) and for v1.
+Dispatch is checked for the sort-free kernel (default and small chunks), v1, v3 and v4
+(both lengths paths) at W = 1, 2, 8, 64, 1024.
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py
 """
@@ -20,6 +21,7 @@ from freescale.kernels import (
     ranged_dispatch,
     triton_impl,
 )
+from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
 
 def main() -> int:
@@ -49,6 +51,11 @@ def main() -> int:
                     # long segments over many chunks and blocks (segments reach 39 ids)
                     "triton_c16": triton_impl.ranged_dispatch(*args, mode=mode, chunk=16, block=16),
                     "triton_c32": triton_impl.ranged_dispatch(*args, mode=mode, chunk=32, block=16),
+                    # v4 (FREESCALE_TRITON_DISPATCH=v4), both lengths paths
+                    "triton_v4": ranged_dispatch_v4(*args, mode=mode),
+                    "triton_v4_columns": ranged_dispatch_v4(
+                        *args, mode=mode, lengths_mode="columns"
+                    ),
                 }
                 for name, got in variants.items():
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):

@@ -47,6 +47,9 @@
 #                                      # vanilla, freescale, freescale_pinned, vanilla_pinned,
 #                                      # 500 steps, 2 passes; prints the host's CPU topology
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
+#   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
+#                                      # W=1..1024), then vanilla 300 steps with v3 and with v4
+#                                      # (FREESCALE_TRITON_DISPATCH=v4: same eval NE expected)
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -268,6 +271,15 @@ pin)
   grep -h "placement" "$OUT/e2e_pin.log" | head -4
   rm -rf "$OUT/e2e_pin/traces" "$OUT"/e2e_pin/*.png
   ;;
+kv4)
+  timeout 150 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
+  echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
+  for v in v3 v4; do
+    FREESCALE_TRITON_DISPATCH=$v timeout 150 python -m freescale.cli train --device cuda --nproc 2 \
+      --steps 300 --mode vanilla --timing events --zipf-s 0.6 --no-progress > "$OUT/kv4_$v.log" 2>&1
+    echo "== dispatch $v rc=$?"; grep -E "QPS|eval NE|stage ms|Error" "$OUT/kv4_$v.log"
+  done
+  ;;
 smc)
   # (~3 min) issue 6's figure with the copy engine's device-side completion (the default)
   mkdir -p "$OUT/smc"
@@ -337,5 +349,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

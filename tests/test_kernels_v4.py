@@ -241,3 +241,27 @@ def test_v4_chunk_rank(gen):
             d = dest.tolist()
             assert earlier.tolist() == [d[:i].count(x) for i, x in enumerate(d)], d
             assert last.tolist() == [int(x not in d[i + 1 :]) for i, x in enumerate(d)], d
+
+
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_env_var_routes_the_dispatcher_to_v4(gen, monkeypatch, world_size, mode):
+    """``FREESCALE_TRITON_DISPATCH=v4`` makes `kernels.ranged_dispatch` (what training
+    calls) run v4 on the Triton backend — same results as the reference; an unknown
+    value is a clear error, not a silent fallback."""
+    from freescale.kernels import ranged_dispatch
+
+    case = random_dispatch_case(gen, world_size)
+    args = (case.values, case.lengths, case.block_sizes, world_size)
+    calls = []
+    v4 = _v4()
+    real = v4.ranged_dispatch_v4
+    monkeypatch.setattr(v4, "ranged_dispatch_v4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v4")
+    got = ranged_dispatch(*args, mode=mode, weights=case.weights, backend="triton")
+    assert calls, "the dispatcher did not route to v4"
+    ref = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
+    assert_dispatch_equal(ref, got, f"env v4 W={world_size}")
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v5")
+    with pytest.raises(ValueError, match="FREESCALE_TRITON_DISPATCH"):
+        ranged_dispatch(*args, mode=mode, backend="triton")
