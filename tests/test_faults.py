@@ -235,3 +235,37 @@ def test_elastic_restart_with_resume_matches_uninterrupted(tmp_path):
     clean = run("clean", {}, restarts=0)
     keys = ["steps", "eval_ne", "eval_auc", "eval_logloss", "eval_calibration"]
     assert {k: faulty["summary"][k] for k in keys} == {k: clean["summary"][k] for k in keys}
+
+
+def _burst(min_gap: float) -> tuple[int, dict]:
+    """200 progress changes 1 ms apart on a 2-rank monitor; (publishes, final record)."""
+    store = dist.HashStore()
+    mon = FaultMonitor(30.0, 0, 2, "gloo", store=store, hard_exit=False, min_gap=min_gap)
+    mon.start()
+    try:
+        before = mon.publishes
+        for i in range(200):
+            aw = Awaitable([], lambda: None, "ids", f"all_to_all 'ids{i}' on rank 0 of 2 (gloo)")
+            mon._on_issue(aw)
+            time.sleep(0.001)
+        time.sleep(min_gap + 0.15)  # the last change is published after at most the gap
+        rec = json.loads(store.get(f"{faults._KEY}0"))
+        return mon.publishes - before, rec
+    finally:
+        mon.close()
+
+
+def test_heartbeat_is_rate_limited_but_publishes_the_last_change():
+    """A step issues 10-20 collectives; the heartbeat publishes at most once per
+    ``min_gap`` (each publish takes the interpreter lock and a store round trip from the
+    launch threads), and the latest state still reaches the store. Without the limit the
+    same burst publishes several times as often (what the limit changes)."""
+    limited, rec = _burst(0.02)
+    assert rec["seq"] == 200 and rec["what"] == "all_to_all 'ids199'"
+    # ~0.2-0.4 s of burst on a loaded machine: one publish per 20 ms at most, plus slack
+    assert 1 <= limited <= 25, limited
+    unlimited, rec0 = _burst(0.0)
+    assert rec0["seq"] == 200
+    assert unlimited >= 3 * limited, (unlimited, limited)
+    with pytest.raises(ValueError, match="min_gap"):
+        FaultMonitor(30.0, 0, 2, "gloo", interval=0.25, min_gap=1.0)
