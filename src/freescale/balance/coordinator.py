@@ -96,6 +96,13 @@ def _decode(t: torch.Tensor, code: int) -> torch.Tensor:
     return t.to(torch.int32)
 
 
+# up to this many blocks the transpose concatenates views of the blocks (one memcpy per
+# block: 0.3-0.5 ms for 1M ids in 8-256 blocks on the dev box, against 2.6-3.7 ms for the
+# gather below, which builds a per-element index); above it torch.cat's per-tensor cost
+# wins out (5.9 ms at 1,024 blocks) and the gather is used
+_TRANSPOSE_CAT_MAX_BLOCKS = 256
+
+
 def _transpose_blocks(buf: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
     """``buf`` holds blocks ``(x, y)`` in x-major order with ``sizes[x, y]`` elements;
     return the same blocks in y-major order (the "keyed transpose")."""
@@ -103,6 +110,20 @@ def _transpose_blocks(buf: torch.Tensor, sizes: np.ndarray) -> torch.Tensor:
     total = int(sizes.sum())
     if total == 0:
         return buf[:0]
+    if sizes.size <= _TRANSPOSE_CAT_MAX_BLOCKS:
+        return _transpose_blocks_cat(buf, sizes, total)
+    return _transpose_blocks_gather(buf, sizes, total)
+
+
+def _transpose_blocks_cat(buf: torch.Tensor, sizes: np.ndarray, total: int) -> torch.Tensor:
+    """Few blocks: views of the blocks, concatenated in y-major order."""
+    nx, ny = sizes.shape
+    parts = torch.split(buf[:total], sizes.reshape(-1).tolist())
+    return torch.cat([parts[x * ny + y] for y in range(ny) for x in range(nx)])
+
+
+def _transpose_blocks_gather(buf: torch.Tensor, sizes: np.ndarray, total: int) -> torch.Tensor:
+    """Many blocks: one gather by a per-element source index."""
     flat = sizes.reshape(-1)
     in_start = (np.cumsum(flat) - flat).reshape(sizes.shape)
     sizes_t = sizes.T.reshape(-1)
