@@ -92,14 +92,19 @@ class _PlanOnly:
 def test_owner_counts_matches_the_owner_rule():
     """``owner_counts`` (the host counts' fast path) counts exactly the owners of
     ``owner_and_local`` (fbgemm's block rule) on fresh random ids: ids past the W blocks
-    (modulo fallback), block borders, W = 1, int32 ids, no ids."""
+    (modulo fallback), all ids inside the blocks (the fast path), one id just past them,
+    block borders, W = 1, int32 ids, no ids."""
     from freescale.kernels.reference import owner_and_local, owner_counts
 
     g = torch.Generator().manual_seed(5)
     for w, blk in ((1, 7), (2, 500), (3, 4), (8, 1), (16, 1000)):
         ids = torch.randint(0, blk * w + 50, (2000,), generator=g)
         ids[:w] = torch.arange(w) * blk  # block borders
-        for t in (ids, ids.to(torch.int32), ids[:0]):
+        inside = ids.remainder(blk * w)  # all in the blocks: the fast path
+        inside[-1] = blk * w - 1  # the last id of the last block
+        edge = inside.clone()
+        edge[-1] = blk * w  # one id just past the blocks: the fallback path
+        for t in (ids, ids.to(torch.int32), ids[:0], inside, inside.to(torch.int32), edge):
             keys = torch.zeros(t.numel(), dtype=torch.int64)
             owner, _ = owner_and_local(t, keys, torch.tensor([blk]), w, "block")
             want = torch.bincount(owner, minlength=w)
