@@ -47,6 +47,8 @@
 #                                      # vanilla, freescale, freescale_pinned, vanilla_pinned,
 #                                      # 500 steps, 2 passes; prints the host's CPU topology
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
+#   bash benchmarks/e2e_gpu.sh gloo    # ~20 s: gloo_host.py (gloo bandwidth; does a gloo wait
+#                                      # spin? the data stage's waits took 22 ms on the GPU host)
 #   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
 #                                      # W=1..1024), then vanilla 300 steps with v3 and with v4
 #                                      # (FREESCALE_TRITON_DISPATCH=v4: same eval NE expected)
@@ -271,6 +273,10 @@ pin)
   grep -h "placement" "$OUT/e2e_pin.log" | head -4
   rm -rf "$OUT/e2e_pin/traces" "$OUT"/e2e_pin/*.png
   ;;
+gloo)
+  timeout 120 python benchmarks/gloo_host.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
+    2>&1 | tail -3
+  ;;
 kv4)
   timeout 150 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
   echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
@@ -349,5 +355,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac
