@@ -13,6 +13,7 @@ from freescale.pipeline.placement import (
     _parse_cpu_list,
     apply_placement,
     cpu_topology,
+    gpu_local_cpus,
     plan_placement,
     topology_summary,
 )
@@ -114,3 +115,33 @@ def test_apply_placement_pins_live_threads_by_role():
         th.join()
         os.sched_setaffinity(0, before)
     assert os.sched_getaffinity(0) == before
+
+
+def test_plan_keeps_each_rank_near_its_gpu_on_a_two_node_host():
+    """Two NUMA nodes of 8 cores x 2 SMT, four local ranks, GPUs 0 and 2 on node 0, 1 and
+    3 on node 1 (interleaved, so a plain contiguous split would be wrong): each rank's
+    CPUs are all on its GPU's node, the two ranks of a node split it, and the plan says
+    so; the same ``near`` for every rank (or an unknown one)
+    gives the whole-host split."""
+    host = _smt_host(16)  # cores c = (c, c + 16)
+    node0 = {c for core in host[:8] for c in core}
+    node1 = {c for core in host[8:] for c in core}
+    near = [node0, node1, node0, node1]
+    used = []
+    for r in range(4):
+        p = plan_placement(host, r, 4, near=near)
+        cpus = {c for v in p.cpus.values() for c in v}
+        assert cpus <= near[r], (r, sorted(cpus))
+        assert any("NUMA" in n for n in p.notes)
+        used.append(cpus)
+    assert not used[0] & used[2] and not used[1] & used[3]
+    plain = plan_placement(host, 2, 4)
+    assert plan_placement(host, 2, 4, near=[node0 | node1] * 4).cpus == plain.cpus
+    assert plan_placement(host, 2, 4, near=[node0, None, node0, node1]).cpus == plain.cpus
+    with pytest.raises(ValueError, match="near"):
+        plan_placement(host, 0, 4, near=[node0])
+
+
+def test_gpu_local_cpus_is_none_without_a_gpu(tmp_path):
+    """No CUDA device (or no sysfs entry): unknown, never an error."""
+    assert gpu_local_cpus(0, root=str(tmp_path)) is None

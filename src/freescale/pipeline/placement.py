@@ -13,8 +13,11 @@ CPU per step higher in the slow runs (benchmarks/results/bisect_freescale_qps_e7
 this module is the A/B for that hypothesis, off by default.
 
 :func:`cpu_topology` reads the physical cores (SMT sibling groups) of the CPUs this
-process may use from ``/sys/devices/system/cpu``. :func:`plan_placement` splits them
-into contiguous per-local-rank shares and gives, within a share, one physical core each
+process may use from ``/sys/devices/system/cpu``; :func:`gpu_local_cpus` the CPUs on
+each GPU's NUMA node (its PCI device's ``local_cpulist``). :func:`plan_placement` keeps
+a rank on its GPU's node when the nodes differ (a slow run could be threads on the far
+socket: every thread then needs more CPU for the same work, as observed), splits the
+cores into contiguous per-local-rank shares and gives, within a share, one physical core each
 to the training thread and the autograd thread (the core's SMT siblings stay idle: the
 two launch threads run alone), one logical CPU each to the data-stage thread and the
 loader, and everything left (including those two cores' siblings) to the other threads.
@@ -35,6 +38,7 @@ from typing import Any
 
 __all__ = [
     "Placement",
+    "gpu_local_cpus",
     "cpu_topology",
     "plan_placement",
     "apply_placement",
@@ -112,31 +116,69 @@ class Placement:
         }
 
 
+def gpu_local_cpus(index: int, root: str = "/sys/bus/pci/devices") -> set[int] | None:
+    """The CPUs on the NUMA node of CUDA device ``index`` (its PCI device's
+    ``local_cpulist`` in sysfs), or None when unknown (no CUDA, no sysfs entry, or
+    properties without PCI ids)."""
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(index)
+        dom = int(props.pci_domain_id)
+        bus = int(props.pci_bus_id)
+        dev = int(props.pci_device_id)
+        with open(f"{root}/{dom:04x}:{bus:02x}:{dev:02x}.0/local_cpulist") as fh:
+            cpus = set(_parse_cpu_list(fh.read()))
+    except Exception:  # noqa: BLE001 - any failure: unknown
+        return None
+    return cpus or None
+
+
 def plan_placement(
-    cores: list[tuple[int, ...]], local_rank: int = 0, local_world: int = 1
+    cores: list[tuple[int, ...]],
+    local_rank: int = 0,
+    local_world: int = 1,
+    near: list[set[int] | None] | None = None,
 ) -> Placement:
     """The CPUs of each role for ``local_rank`` of ``local_world`` ranks on this host.
 
-    Rank ``i`` takes the ``i``-th contiguous share of the physical cores (the first
-    ranks take one more when they do not divide). Within its share of ``k`` cores:
+    ``near``: per local rank, the CPUs near its GPU (:func:`gpu_local_cpus`). When they
+    differ between ranks (a multi-socket host), a rank places its threads on the cores
+    near its GPU only, shared with the ranks whose GPUs sit on the same node; otherwise
+    (unknown, or the same for all) on the whole host. Rank ``i`` of the ``n`` ranks
+    sharing a set of cores takes its ``i``-th contiguous share (the first ranks take one
+    more when they do not divide). Within its share of ``k`` cores:
     ``k >= 4``: training and autograd a whole core each (first logical CPU), data stage
     and loader the first logical CPU of a core each, the rest everything else;
     ``k == 3``: data stage and loader share a core; ``k == 2``: training alone on one
     core, everything else on the other; ``k <= 1``: nothing pinned."""
     if not 0 <= local_rank < local_world:
         raise ValueError(f"local_rank {local_rank} not in [0, {local_world})")
+    if near is not None and len(near) != local_world:
+        raise ValueError(f"near has {len(near)} entries for {local_world} local ranks")
+    numa_note: list[str] = []
+    group, index = local_world, local_rank
+    if near is not None and None not in near and len({frozenset(c) for c in near}) > 1:
+        mine = near[local_rank]
+        assert mine is not None
+        local_cores = [c for c in cores if set(c) & mine]
+        if local_cores:
+            cores = local_cores
+            peers = [r for r in range(local_world) if near[r] == mine]
+            group, index = len(peers), peers.index(local_rank)
+            numa_note = [f"NUMA: the {len(cores)} cores near this rank's GPU, {group} ranks"]
     n = len(cores)
-    base, extra = divmod(n, local_world)
-    start = local_rank * base + min(local_rank, extra)
-    share = cores[start : start + base + (1 if local_rank < extra else 0)]
+    base, extra = divmod(n, group)
+    start = index * base + min(index, extra)
+    share = cores[start : start + base + (1 if index < extra else 0)]
     k = len(share)
     if k <= 1:
         return Placement(
             available=False,
-            notes=[f"{n} physical cores for {local_world} local ranks: {k} for this rank"],
+            notes=[f"{n} physical cores for {group} local ranks: {k} for this rank", *numa_note],
         )
     flat = lambda cs: tuple(c for core in cs for c in core)  # noqa: E731
-    p = Placement()
+    p = Placement(notes=list(numa_note))
     if k == 2:
         p.cpus = {
             "training": share[0][:1],

@@ -52,7 +52,14 @@ from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
 from .data_stage import DataStageThread, PreparedBatch
 from .distributed import RankContext, check_config_hash, init_distributed
-from .placement import Placement, apply_placement, cpu_topology, plan_placement, topology_summary
+from .placement import (
+    Placement,
+    apply_placement,
+    cpu_topology,
+    gpu_local_cpus,
+    plan_placement,
+    topology_summary,
+)
 
 if TYPE_CHECKING:
     from ..comm.copy_engine import SMFreeConfig
@@ -465,12 +472,23 @@ class Trainer:
         when it cannot apply here: the report says why)."""
         if not self.cfg.pin_threads:
             return None
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        plan = plan_placement(cpu_topology(), self.ctx.local_rank % local_world, local_world)
+        plan = self._plan_placement()
         if not hasattr(os, "sched_setaffinity"):
             plan.available = False
             plan.notes.append("os.sched_setaffinity is not available on this platform")
         return plan if plan.available else None
+
+    def _plan_placement(self) -> Placement:
+        """The plan for this rank: local ranks from ``LOCAL_WORLD_SIZE``; on CUDA with the
+        CPUs near each local rank's GPU (NUMA), when sysfs tells."""
+        local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        near = None
+        if self.device.type == "cuda":
+            count = torch.cuda.device_count()
+            near = [gpu_local_cpus(r % count) for r in range(local_world)]
+        return plan_placement(
+            cpu_topology(), self.ctx.local_rank % local_world, local_world, near=near
+        )
 
     def _placement_report(self, pin: Placement | None, counts: dict[str, int]) -> dict[str, Any]:
         """Host topology, and the placement in force (or why none) for the summary."""
@@ -479,9 +497,7 @@ class Trainer:
             out |= {"cpus": {k: list(v) for k, v in pin.cpus.items()}, "threads": counts}
             out["notes"] = list(pin.notes)
         elif self.cfg.pin_threads:
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            plan = plan_placement(cpu_topology(), self.ctx.local_rank % local_world, local_world)
-            out["notes"] = plan.notes or ["pinning unavailable here"]
+            out["notes"] = self._plan_placement().notes or ["pinning unavailable here"]
         else:
             out["notes"] = []
         return out
