@@ -266,6 +266,9 @@ pin)
   # come from where its host threads land? Pinned by role vs left to the scheduler, two
   # passes; the report's host_topology says whether the host has SMT
   lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node[0-9]* CPU|Model name)" || true
+  nvidia-smi topo -m 2>/dev/null | head -5 || true
+  python -c "from freescale.pipeline.placement import gpu_local_cpus as g; import torch; \
+print('GPU local CPUs:', [sorted(g(i) or []) for i in range(torch.cuda.device_count())])" || true
   timeout 560 $E2E --out "$OUT/e2e_pin" --nproc 2 --steps "${PIN_STEPS:-500}" --repeats 2 \
     --profile-activities cuda --variants vanilla freescale freescale_pinned vanilla_pinned \
     > "$OUT/e2e_pin.log" 2>&1
