@@ -4,7 +4,12 @@ it (figure, device, git sha, date, exact command, torch version)."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+import platform
+import socket
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -20,3 +25,45 @@ def figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
         "command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__,
     }
+
+
+def host_figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
+    """:func:`figure_header` for a host-only figure: the device is this machine's CPU."""
+    head = figure_header(figure, git_sha)
+    cpu = platform.processor() or platform.machine()
+    head["device"] = f"CPU ({cpu}, {os.cpu_count()} cores)"
+    return head
+
+
+def write_figure(out_dir: Optional[str], report: dict[str, Any]) -> Optional[str]:
+    """Write ``<out_dir>/<figure>.json`` (when ``out_dir`` is given), say so, return the path."""
+    if not out_dir:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{report['figure']}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 900) -> Any:
+    """Run ``target(rank, world, port, queue, *args)`` on ``world`` spawned processes
+    (gloo rendezvous on a free local ``port``); return the first object a rank puts on
+    ``queue`` (rank 0's result, by convention) after every process ended cleanly."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = q.get(timeout=timeout)
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"rank process exited with {p.exitcode} ({target.__name__}{args})")
+    return result

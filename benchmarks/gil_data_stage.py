@@ -30,11 +30,8 @@ assertion anywhere.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import socket
 import sys
 import threading
 import time
@@ -42,26 +39,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
 from kernels import _git_sha  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(
     rank: int,
     world: int,
     port: int,
+    q: Any,
     work: str,
     switch_ms: float | None,
     batches: int,
-    q: Any,
     profile: bool = False,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -171,26 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         "writes no figure)",
     )
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
     rows = []
     works = [("loader", None), ("loader", 0.5), ("loader+fbs", None), ("loader+fbs", 0.5)]
     works += [("loader+fbs+counts", None), ("loader+fbs+counts_old", None)]
     if args.profile:
         works = [("loader+fbs+counts", None)]
     for work, sw in works:
-        q = ctx.Queue()
-        port = _free_port()
-        procs = [
-            ctx.Process(target=_rank, args=(r, 2, port, work, sw, args.batches, q, args.profile))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        row = q.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode != 0:
-                raise RuntimeError(f"rank process exited with {p.exitcode} ({work}, {sw})")
+        row = spawn_ranks(_rank, 2, work, sw, args.batches, args.profile, timeout=600)
         if "profile" in row:
             print(row.pop("profile"), flush=True)
         rows.append(row)
@@ -212,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     }
     report = {
-        "figure": "gil_data_stage",
-        "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "git_sha": _git_sha(args.git_sha),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
-        "torch": torch.__version__,
+        **host_figure_header("gil_data_stage", _git_sha(args.git_sha)),
         "caveat": (
             "lateness = waiting for the interpreter lock + waiting for a free core; with "
             f"{os.cpu_count()} cores and 2 ranks of busy threads the second may dominate"
@@ -225,12 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "headline": head,
     }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "gil_data_stage.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
+    write_figure(args.out, report)
     return 0
 
 

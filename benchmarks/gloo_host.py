@@ -21,11 +21,9 @@ this machine only; no assertion anywhere.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -33,19 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
 from kernels import _git_sha  # noqa: E402
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]  # bytes sent per rank per call
 DELAY_S = 0.02
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _timed(fn: Any, reps: int, rank: int, delay: float) -> tuple[float, float]:
@@ -63,7 +55,7 @@ def _timed(fn: Any, reps: int, rank: int, delay: float) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _rank(rank: int, world: int, port: int, reps: int, q: Any) -> None:
+def _rank(rank: int, world: int, port: int, q: Any, reps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -109,20 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--git-sha", default=os.environ.get("FREESCALE_GIT_SHA"))
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.world, port, args.reps, q))
-        for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=900)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"rank process exited with {p.exitcode}")
+    rows = spawn_ranks(_rank, args.world, args.reps)
     for r in rows:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
 
@@ -145,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         else None,
     }
     report = {
-        "figure": "gloo_host",
-        "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "git_sha": _git_sha(args.git_sha),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
-        "torch": torch.__version__,
+        **host_figure_header("gloo_host", _git_sha(args.git_sha)),
         "python": platform.python_version(),
         "world_size": args.world,
         "method": (
@@ -163,12 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "headline": head,
     }
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in head.items()}))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "gloo_host.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
+    write_figure(args.out, report)
     return 0
 
 

@@ -43,6 +43,8 @@ __all__ = [
     "plan_placement",
     "apply_placement",
     "placement_role",
+    "restore_affinities",
+    "thread_affinities",
     "topology_summary",
 ]
 
@@ -219,6 +221,42 @@ def placement_role(kernel_name: str, python_name: str, is_caller: bool) -> str:
     return "rest"
 
 
+def _task_ids() -> list[int]:
+    """Native ids of this process's threads (Linux ``/proc``; empty elsewhere)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
+def thread_affinities() -> dict[int, set[int]]:
+    """Every thread's CPU affinity now (native id -> CPUs); empty where unsupported."""
+    out: dict[int, set[int]] = {}
+    if not hasattr(os, "sched_getaffinity"):
+        return out
+    for tid in _task_ids():
+        try:
+            out[tid] = os.sched_getaffinity(tid)
+        except OSError:  # exited meanwhile
+            pass
+    return out
+
+
+def restore_affinities(before: dict[int, set[int]]) -> None:
+    """Undo a placement: threads that existed at ``before`` (:func:`thread_affinities`)
+    get their affinity back, threads created since get the caller's from then."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    default = before.get(threading.get_native_id())
+    for tid in _task_ids():
+        cpus = before.get(tid, default)
+        if cpus:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
+
+
 def apply_placement(placement: Placement, caller_tid: int | None = None) -> dict[str, int]:
     """Set every thread's affinity by role; returns threads pinned per role (and
     ``failed``: threads that refused, e.g. exited meanwhile). ``caller_tid``: the
@@ -229,11 +267,7 @@ def apply_placement(placement: Placement, caller_tid: int | None = None) -> dict
         return counts
     caller = threading.get_native_id() if caller_tid is None else caller_tid
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return counts
-    for tid in tids:
+    for tid in _task_ids():
         try:
             with open(f"/proc/self/task/{tid}/comm") as fh:
                 kname = fh.read().strip()

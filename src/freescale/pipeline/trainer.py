@@ -27,7 +27,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -58,6 +57,8 @@ from .placement import (
     cpu_topology,
     gpu_local_cpus,
     plan_placement,
+    restore_affinities,
+    thread_affinities,
     topology_summary,
 )
 
@@ -734,7 +735,7 @@ class Trainer:
         switch_before = sys.getswitchinterval()  # restored in the finally below
         pin = self._placement_plan()
         pin_counts: dict[str, int] = {}
-        affinity_before = _thread_affinity()  # restored in the finally below
+        affinity_before = thread_affinities()  # restored in the finally below
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
@@ -827,7 +828,7 @@ class Trainer:
                 host_cpu = close_cpu_window()
             sys.setswitchinterval(switch_before)
             if pin is not None:
-                _restore_affinity(affinity_before)
+                restore_affinities(affinity_before)
             if stage is not None:
                 stage.close()
                 self._stage = None
@@ -1137,42 +1138,6 @@ class _BackwardMark(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, D102
         ctx.marks(ctx.name)
         return grad, None, None
-
-
-def _thread_affinity() -> dict[int, set[int]]:
-    """Every thread's CPU affinity now (native id -> CPUs); empty where unsupported."""
-    out: dict[int, set[int]] = {}
-    if not hasattr(os, "sched_getaffinity"):
-        return out
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            out[tid] = os.sched_getaffinity(tid)
-        except OSError:
-            pass
-    return out
-
-
-def _restore_affinity(before: dict[int, set[int]]) -> None:
-    """Undo a placement: threads that existed before get their affinity back, threads
-    created since get the process's (the caller's before the run)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    default = before.get(threading.get_native_id())
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return
-    for tid in tids:
-        cpus = before.get(tid, default)
-        if cpus:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass
 
 
 def _start_profiler(device: torch.device, activities: str = "auto") -> Any:
