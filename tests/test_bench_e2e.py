@@ -96,6 +96,14 @@ def test_e2e_report_numerics(pool2, tmp_path):
             assert hc["steps"] > 0 and "training" in hc["by_group_ms_per_step"], hc
             assert hc["gil_wait"]["wakes"] >= 0, hc  # the probe ran (no timing asserted)
     assert "host cpu/wall" in md and "GIL wait p99 ms" in md
+    # the main table: every row has as many cells as the header (the unprofiled columns
+    # once had a header and no cells)
+    table = [ln for ln in md.splitlines() if ln.startswith("| variant | qps")]
+    assert len(table) == 1
+    width = table[0].count("|")
+    rows_md = [ln for ln in md.splitlines() if any(ln.startswith(f"| {v} | ") for v in VARIANTS)]
+    rows_md = [ln for ln in rows_md if ln.count("|") > 8]  # not the per-pass table
+    assert len(rows_md) == len(VARIANTS) and all(ln.count("|") == width for ln in rows_md)
 
     # --- numerics
     rows = {r["variant"]: r for r in report["rows"]}

@@ -55,6 +55,10 @@ def test_order_and_gate():
         assert done >= s - 3, (s, done)
     # the thread did run ahead (not lock-step with the consumer)
     assert any(done < s - 1 for s, done in done_at_prepare.items())
+    # its wall-time accounting covers every prepared step (values not asserted: timings)
+    t = stage.timing()
+    assert t["prepared"] == len(steps)
+    assert all(t[k] >= 0.0 for k in ("busy_ms", "gate_ms", "blocked_ms"))
 
 
 def test_error_reaches_consumer_at_its_step():

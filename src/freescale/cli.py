@@ -394,6 +394,12 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"p99 {gw['p99_ms']:.2f}, max {gw['max_ms']:.1f}; "
                 f"{gw['share_over_1ms']:.0%} of wakes over 1 ms"
             )
+    dt = (s.get("data_thread") or {}).get("timing")
+    if dt and dt.get("prepared"):
+        print(
+            f"data-stage thread (rank 0, ms per step): busy {dt['busy_ms']:.1f}, "
+            f"blocked ahead {dt['blocked_ms']:.1f}, gate {dt['gate_ms']:.1f}"
+        )
     pl = s.get("placement")
     if pl:
         topo = pl.get("topology", {})

@@ -692,6 +692,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + ["host CPU ms training thread", "host CPU ms process", "host cpu/wall"]
         + ["GIL wait mean ms", "GIL wait p90 ms", "GIL wait p99 ms"]
         + ["unprofiled step ms", "non-compute ms (unprofiled est.)", "profiler inflation ms"]
+        + ["data stage busy ms", "data stage blocked ms"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -721,6 +722,11 @@ def _markdown(report: dict[str, Any]) -> str:
         )
         gw = (hc or {}).get("gil_wait")
         cells += [f"{gw[k]:.2f}" for k in ("mean_ms", "p90_ms", "p99_ms")] if gw else ["n/a"] * 3
+        u = _unprofiled(r)
+        keys = ("unprofiled_step_ms", "noncompute_unprofiled_ms", "profiler_inflation_ms")
+        cells += [f"{u[k]:.2f}" for k in keys] if u else ["n/a"] * 3
+        dt = ((r.get("summary") or {}).get("data_thread") or {}).get("timing")
+        cells += [f"{dt[k]:.2f}" for k in ("busy_ms", "blocked_ms")] if dt else ["n/a"] * 2
         lines.append("| " + " | ".join(cells) + " |")
     h = report["headline"]
     if h.get("qps_by_pass"):
@@ -755,7 +761,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "(metrics.host_cpu.GilProbe). Unprofiled columns: wall ms per timed step before the "
         "profiled window, that minus GPU compute (an estimate of the bubble without the "
         "profiler's host cost, plus the amortized eval), and the profiled GPU window minus "
-        "it (how much the profiler slowed the step).",
+        "it (how much the profiler slowed the step). Data stage: rank 0's data-stage "
+        "thread, ms per prepared step in its work (busy) and blocked ahead of the training "
+        "thread (pipeline/data_stage.py; busy near the step time with ~0 blocked: the data "
+        "stage bounds the step).",
     ]
     proj = report.get("projection")
     if proj:

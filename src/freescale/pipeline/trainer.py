@@ -184,6 +184,8 @@ class Trainer:
         self._stage: DataStageThread | None = None
         self.data_stage_steps = 0  # steps prepared on the data-stage thread
         self.data_stage_counts = 0  # of which the id counts were taken there too
+        # the data-stage thread's ms per step: busy / gate / blocked (DataStageThread.timing)
+        self.data_stage_timing: dict[str, Any] | None = None
         opts: dict[str, Any] = (
             {"max_collision_rate": cfg.max_collision_rate, "early_prepare": cfg.early_prepare}
             if cfg.mode == "prioritized"
@@ -831,6 +833,7 @@ class Trainer:
                 restore_affinities(affinity_before)
             if stage is not None:
                 stage.close()
+                self.data_stage_timing = stage.timing()
                 self._stage = None
             loader.close()
         if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
@@ -873,6 +876,8 @@ class Trainer:
                 "on": self.data_thread,
                 "steps": self.data_stage_steps,
                 "counts_on_thread": self.data_stage_counts,
+                # over every step it prepared (warm-up included)
+                "timing": self.data_stage_timing,
             },
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
             "overlap_backend": getattr(
