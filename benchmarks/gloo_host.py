@@ -14,7 +14,9 @@ its thread CPU then says whether waiting itself burns a core.
     python benchmarks/gloo_host.py --out DIR [--world 2]
 
 writes ``gloo_host.json`` (figure, device, git sha, date, command, rows, headline:
-all-to-all GB/s at 4 MB per rank, thread CPU / wall of a delayed wait). Host timings of
+the latency of a small all-gather and all-reduce — what the copy-engine backend makes
+twice per call —, all-to-all GB/s at 4 MB per rank, thread CPU / wall of a delayed
+wait). Host timings of
 this machine only; no assertion anywhere.
 """
 
@@ -89,6 +91,35 @@ def _rank(rank: int, world: int, port: int, q: Any, reps: int) -> None:
                         else None,
                     }
                 )
+    # the small collectives a copy-engine call makes (a header all-gather and an error
+    # flag all-reduce, comm/copy_engine.py steps 3 and 6): their latency is a floor of
+    # that backend's per-call overhead
+    small = torch.zeros(16, dtype=torch.int64)
+    small_out = [torch.empty_like(small) for _ in range(world)]
+    flag = torch.zeros(1, dtype=torch.int64)
+    for name, fn in {
+        "all_gather_header_16": lambda: dist.all_gather(small_out, small),
+        "all_reduce_flag_1": lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
+        "barrier": lambda: dist.barrier(),
+    }.items():
+        fn()
+        walls, cpus = [], []
+        for _ in range(reps * 10):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fn()
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.thread_time() - c0)
+        rows.append(
+            {
+                "op": name,
+                "bytes_per_rank": int(small.numel() * 8) if "header" in name else 8,
+                "peer_delay_ms": 0.0,
+                "wall_ms": statistics.median(walls) * 1e3,
+                "wall_p90_ms": sorted(walls)[int(0.9 * len(walls))] * 1e3,
+                "thread_cpu_ms": statistics.median(cpus) * 1e3,
+                "gb_per_s": None,
+            }
+        )
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -115,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     a2a = pick("all_to_all", 4 << 20, 0.0)
     waited = pick("all_to_all_async_wait", 4 << 20, DELAY_S * 1e3)
     head = {
+        "small_all_gather_ms": pick("all_gather_header_16", 128, 0.0)["wall_ms"],
+        "small_all_reduce_ms": pick("all_reduce_flag_1", 8, 0.0)["wall_ms"],
         "all_to_all_gb_per_s_4mb": a2a["gb_per_s"],
         "all_to_all_wall_ms_4mb": a2a["wall_ms"],
         "delayed_wait_wall_ms_4mb": waited["wall_ms"],
@@ -131,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             "per op and size: median over reps of rank 0's wall and thread CPU time of the "
             "call, after a barrier; with peer_delay_ms > 0 rank 1 sleeps that long before "
             "calling (rank 0's time is then mostly waiting); gb_per_s = bytes sent to "
-            "peers / wall (no delay)"
+            "peers / wall (no delay); small ops (header all-gather, flag all-reduce, "
+            "barrier): back to back, 10x reps, median and p90 wall"
         ),
         "rows": rows,
         "headline": head,
