@@ -758,17 +758,19 @@ class Trainer:
             if cfg.gil_switch_interval_ms is not None:
                 sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
             for t in range(first, last + 1):
-                if pin is not None and t in (first, first + 1, first + warmup):
+                if pin is not None and t in (first, first + 1):
                     # threads created since (autograd's at the first backward, the
                     # OpenMP teams at their first parallel op) inherit their creator's
                     # affinity: place them by role again
                     pin_counts = apply_placement(pin)
                 if t == first + warmup:
                     self._sync()
-                    t_start = time.perf_counter()
-                    cpu_meter.start()
                     if gil_probe is not None:
                         gil_probe.start()
+                    if pin is not None:  # the probe too: off the training thread's core
+                        pin_counts = apply_placement(pin)
+                    t_start = time.perf_counter()
+                    cpu_meter.start()
                     if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
                         # diagnosis: warn at every call site that synchronises the device
                         # (once per site; a host-bound step shows its syncs here)
@@ -781,6 +783,8 @@ class Trainer:
                     t_stop = time.perf_counter()
                     host_cpu = close_cpu_window()
                     profiler = _start_profiler(self.device, cfg.profile_activities)
+                    if pin is not None:  # the profiler's threads: off the training core
+                        apply_placement(pin)
                 marks = _Marks(self.device) if self.events_timing else None
                 if marks is not None:
                     marks("step_start")
