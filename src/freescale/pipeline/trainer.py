@@ -737,13 +737,14 @@ class Trainer:
         switch_before = sys.getswitchinterval()  # restored in the finally below
         pin = self._placement_plan()
         pin_counts: dict[str, int] = {}
-        affinity_before = thread_affinities()  # restored in the finally below
+        affinity_before = thread_affinities() if pin is not None else {}  # restored below
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
         loader = self._loader(first, steps)
         n_ahead = self._ahead_hooks()
         stage = None
+        self.data_stage_timing = None  # this call's (a previous call's would be stale)
         if self.data_thread and steps > 0:
             stage = self._stage = DataStageThread(
                 lambda s: self._prepare_ahead(s, loader, n_ahead),
