@@ -49,6 +49,8 @@
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
 #   bash benchmarks/e2e_gpu.sh gloo    # ~20 s: gloo_host.py (gloo bandwidth; does a gloo wait
 #                                      # spin? the data stage's waits took 22 ms on the GPU host)
+#   bash benchmarks/e2e_gpu.sh xcpin   # ~2.5 min: exposed_comm.py (issue 5) with --pin-threads:
+#                                      # does host jitter make the ranks' issue skew?
 #   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
 #                                      # W=1..1024), then vanilla 300 steps with v3 and with v4
 #                                      # (FREESCALE_TRITON_DISPATCH=v4: same eval NE expected)
@@ -280,6 +282,14 @@ gloo)
   timeout 120 python benchmarks/gloo_host.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
     2>&1 | tail -3
   ;;
+xcpin)
+  mkdir -p "$OUT/xc_pin"
+  timeout 200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/exposed_comm.py \
+    --out "$OUT/xc_pin" --git-sha "${FREESCALE_GIT_SHA:-}" --pin-threads > "/tmp/xc_pin.log" 2>&1
+  echo "exposed_comm pinned rc=$?"
+  grep -E '^\[|"reduction"|"fraction_of_floor"|"fit_r2"|issue_skew' /tmp/xc_pin.log | head -20
+  rm -f "$OUT/xc_pin"/*.png
+  ;;
 kv4)
   timeout 150 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
   echo "check_kernels_cuda rc=$?"; tail -5 "$OUT/verify_kernels.log"
@@ -358,5 +368,5 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
 esac

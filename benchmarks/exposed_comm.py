@@ -478,6 +478,8 @@ def run_mode(
         if i == a.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if a.pin_threads:  # the threads exist now (autograd, comm workers, OpenMP)
+                _pin_threads(device)
             dist.barrier()
             for c in comms:
                 c.stats.reset()
@@ -610,6 +612,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--headline-rate", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=5)
     p.add_argument(
+        "--pin-threads",
+        action="store_true",
+        help="pin the host threads by role before each mode's timed steps, as "
+        "TrainConfig.pin_threads does (pipeline/placement.py): does host jitter cause the "
+        "ranks' issue skew?",
+    )
+    p.add_argument(
         "--late-prepare",
         action="store_true",
         help="prioritized: no early prepare_backward (the embedding backward does the "
@@ -621,6 +630,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.rates, a.lengths = [0.01, 0.05, 0.3], [64, 256]
         a.warmup, a.measure, a.dense_ms, a.gemm, a.micro_iters = 2, 5, 5.0, 128, 3
     return a
+
+
+def _pin_threads(device: torch.device) -> None:
+    """Place this rank's threads by role (the Trainer's ``pin_threads`` plan)."""
+    from freescale.pipeline.placement import (
+        apply_placement,
+        cpu_topology,
+        gpu_local_cpus,
+        plan_placement,
+    )
+
+    local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) % local_world
+    near = None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        near = [gpu_local_cpus(r % count) for r in range(local_world)]
+    plan = plan_placement(cpu_topology(), local_rank, local_world, near=near)
+    if plan.available:
+        apply_placement(plan)
 
 
 def git_sha(given: str | None) -> str:
@@ -719,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                 "target_ms": a.dense_ms,
             },
             "guardrail_max_collision_rate": 1.0,
+            "early_prepare": not a.late_prepare,
+            "pinned_threads": bool(a.pin_threads),
         },
         "method": {
             "exposed_ms": "sum over the compute stream's waits (collective Awaitable.wait "
