@@ -145,3 +145,20 @@ def test_plan_keeps_each_rank_near_its_gpu_on_a_two_node_host():
 def test_gpu_local_cpus_is_none_without_a_gpu(tmp_path):
     """No CUDA device (or no sysfs entry): unknown, never an error."""
     assert gpu_local_cpus(0, root=str(tmp_path)) is None
+
+
+def test_gpu_local_cpus_reads_the_devices_pci_entry(tmp_path, monkeypatch):
+    """The CPUs near a GPU come from ``<pci root>/<domain:bus:device.0>/local_cpulist``
+    of the device's PCI ids (hex, zero-padded as sysfs names them)."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    d = tmp_path / "0000:1b:00.0"
+    d.mkdir()
+    (d / "local_cpulist").write_text("0-3,8\n")
+    assert gpu_local_cpus(0, root=str(tmp_path)) == {0, 1, 2, 3, 8}
+    props.pci_bus_id = 0x2A  # no such entry: unknown
+    assert gpu_local_cpus(0, root=str(tmp_path)) is None
