@@ -167,6 +167,12 @@ def main() -> int:
             config=CopyEngineConfig(peer_memory=pm, completion="device", **cfg),
             device=dev,
         )
+        # the per-collective handshakes on gloo (the default is the shared-memory exchange)
+        comms[f"copy_engine[{pm},device,gloo_handshake]"] = CopyEngineCommunicator.create(
+            name=f"ce_{pm}_dev_gloo",
+            config=CopyEngineConfig(peer_memory=pm, completion="device", handshake="gloo", **cfg),
+            device=dev,
+        )
     if not a.cpu and peer_memories:
         pm = peer_memories[0]
         mutant = CopyEngineCommunicator.create(
@@ -293,6 +299,8 @@ def main() -> int:
         if isinstance(c, CopyEngineCommunicator) and "device" in n
     }
     print(f"[rank {rank}] device completions per communicator: {device_runs}", flush=True)
+    handshakes = {n: c.handshake for n, c in comms.items() if isinstance(c, CopyEngineCommunicator)}
+    print(f"[rank {rank}] handshake per communicator: {handshakes}", flush=True)
     if rank == 0:
         verdict = "PASS" if mism == 0 and fat == 0 else "FAIL"
         print(

@@ -47,6 +47,7 @@ from freescale.comm.copy_engine import (
     receive_offsets,
     symm_available,
 )
+from freescale.comm.shm_exchange import available as shm_available
 
 
 # ------------------------------------------------------------- reference helpers
@@ -251,9 +252,25 @@ def test_copy_engine_config_validation() -> None:
         dict(copy_streams=0),
         dict(timeout_s=0),
         dict(completion="gpu"),
+        dict(handshake="tcp"),
     ]:
         with pytest.raises(ValueError):
             CopyEngineConfig(**bad)
+
+
+def test_copy_engine_handshake_resolution(monkeypatch) -> None:
+    """``auto`` follows FREESCALE_COPY_ENGINE_HANDSHAKE (shm | gloo), else stays auto
+    (shm where available); explicit values win; a bad variable is an error."""
+    from freescale.comm.copy_engine import HANDSHAKE_ENV
+
+    monkeypatch.delenv(HANDSHAKE_ENV, raising=False)
+    assert CopyEngineConfig().resolved_handshake() == "auto"
+    monkeypatch.setenv(HANDSHAKE_ENV, "gloo")
+    assert CopyEngineConfig().resolved_handshake() == "gloo"
+    assert CopyEngineConfig(handshake="shm").resolved_handshake() == "shm"
+    monkeypatch.setenv(HANDSHAKE_ENV, "tcp")
+    with pytest.raises(ValueError, match=HANDSHAKE_ENV):
+        CopyEngineConfig().resolved_handshake()
 
 
 def test_copy_engine_completion_resolution(monkeypatch) -> None:
@@ -344,11 +361,17 @@ def _check_segments(comm, rank, seed, S, feat=(3,), dtype=torch.float32, name="s
     assert torch.equal(got, _expected_a2a(seed, S, rank, feat, dtype)), f"{name} rank {rank}"
 
 
-def ce_suite(rank: int, world: int, big_rows: int, completion: str = "host") -> dict:
+def ce_suite(
+    rank: int, world: int, big_rows: int, completion: str = "host", handshake: str = "auto"
+) -> dict:
     torch.set_num_threads(1)
     base = Communicator()
     cfg = CopyEngineConfig(
-        initial_buffer_bytes=4096, growth_factor=1.5, timeout_s=60, completion=completion
+        initial_buffer_bytes=4096,
+        growth_factor=1.5,
+        timeout_s=60,
+        completion=completion,
+        handshake=handshake,
     )
     comm = CopyEngineCommunicator.create(name="ce", config=cfg, device="cpu")
     assert comm.completion == completion
@@ -444,6 +467,8 @@ def ce_suite(rank: int, world: int, big_rows: int, completion: str = "host") -> 
             "mem": mem,
             "seq": comm._seq,
             "device_completions": comm.device_completions,
+            "handshake": comm.handshake,
+            "shm_exchanges": comm._xchg.exchanges if comm._xchg is not None else 0,
         }
     finally:
         comm.close()
@@ -498,12 +523,31 @@ def ce_error_suite(rank: int, world: int) -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "world,completion", [(2, "host"), (4, "host"), (2, "device"), (4, "device")]
+    "world,completion,handshake",
+    [
+        (2, "host", "shm"),
+        (4, "host", "shm"),
+        (2, "device", "shm"),
+        (4, "device", "shm"),
+        (2, "device", "gloo"),
+        (4, "host", "gloo"),
+    ],
 )
-def test_copy_engine_protocol_on_cpu_ranks(world: int, completion: str, request) -> None:
+def test_copy_engine_protocol_on_cpu_ranks(
+    world: int, completion: str, handshake: str, request
+) -> None:
+    """The whole protocol (random splits and dtypes, empty and large messages, views,
+    FIFO depth, byte counts) against the reference, with each handshake: the
+    shared-memory exchange (comm/shm_exchange.py; counted: it really carried the
+    handshakes) and the two gloo collectives."""
+    if handshake == "shm" and not shm_available()[0]:
+        pytest.skip(f"shared-memory handshake unavailable here: {shm_available()[1]}")
     pool = request.getfixturevalue(f"pool{world}")
     big_rows = 60_000 if world == 2 else 40_000  # 8 floats per row: MBs per rank
-    res = pool.run(ce_suite, big_rows, completion)
+    res = pool.run(ce_suite, big_rows, completion, handshake)
+    assert all(r["handshake"] == handshake for r in res)
+    # two handshakes per data collective (header, completion flag) went through shm
+    assert all((r["shm_exchanges"] > 2 * 30) == (handshake == "shm") for r in res)
     assert len({r["seq"] for r in res}) == 1  # every rank issued the same sequence
     assert all(r["grew_to"] > 4096 for r in res)
     # the device-completion protocol really ran (every data collective), or not at all

@@ -39,6 +39,7 @@ def _run(rank, world, cfg, corrupt=False, balance=False):
     summary = tr.train()
     side = getattr(tr.sparse, "side_comm", None)
     summary["device_completions"] = getattr(side, "device_completions", 0)
+    summary["handshake"] = getattr(side, "handshake", None)
     return _state(tr), summary
 
 
@@ -50,19 +51,29 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize(
-    "mode,backend,completion",
+    "mode,backend,completion,handshake",
     [
-        ("prioritized", "host_staged", None),
-        ("prioritized", "copy_engine", "host"),
-        ("prioritized", "copy_engine", "device"),
-        ("sdd", "auto", None),
+        ("prioritized", "host_staged", None, "auto"),
+        ("prioritized", "copy_engine", "host", "gloo"),
+        ("prioritized", "copy_engine", "device", "shm"),
+        ("sdd", "auto", None, "auto"),
     ],
 )
-def test_overlapped_traffic_on_smfree_backends_is_exact(pool2, mode, backend, completion):
+def test_overlapped_traffic_on_smfree_backends_is_exact(
+    pool2, mode, backend, completion, handshake
+):
+    from freescale.comm.shm_exchange import available
+
+    if handshake == "shm" and not available()[0]:
+        pytest.skip(f"shared-memory handshake unavailable here: {available()[1]}")
     base = dataclasses.replace(e2e_config(), eval_every=0, timing="sync", profile_steps=0)
     van = pool2.run(_run, base)
     cfg = dataclasses.replace(
-        base, mode=mode, overlap_backend=backend, copy_engine_completion=completion or "auto"
+        base,
+        mode=mode,
+        overlap_backend=backend,
+        copy_engine_completion=completion or "auto",
+        copy_engine_handshake=handshake,
     )
     res = pool2.run(_run, cfg)
     assert _equal(res, van), f"{mode} over {backend} differs from vanilla"
@@ -73,6 +84,8 @@ def test_overlapped_traffic_on_smfree_backends_is_exact(pool2, mode, backend, co
     # the completion protocol asked for really ran (on CPU ranks: the same gloo
     # exchanges, no events; the CUDA events are checked by benchmarks/gpu_check_comm.py)
     assert (s["device_completions"] > 0) == (completion == "device"), s["device_completions"]
+    if backend == "copy_engine":  # the handshake asked for carried the collectives
+        assert s["handshake"] == handshake, s["handshake"]
 
 
 def test_a_broken_smfree_backend_is_caught(pool2):

@@ -110,6 +110,14 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "wait); auto = $FREESCALE_COPY_ENGINE_COMPLETION, else device. Bit-identical",
     )
     p.add_argument(
+        "--copy-engine-handshake",
+        choices=["auto", "shm", "gloo"],
+        default="auto",
+        help="how the copy engine's per-collective handshakes travel: shm (a shared-memory "
+        "file for the host's ranks) or gloo (two gloo collectives per call); auto = "
+        "$FREESCALE_COPY_ENGINE_HANDSHAKE, else shm where available. Bit-identical",
+    )
+    p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
         default=None,
@@ -277,6 +285,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         timing=args.timing,
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
+        copy_engine_handshake=getattr(args, "copy_engine_handshake", "auto"),
         early_prepare=not getattr(args, "late_prepare", False),
         gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),

@@ -158,6 +158,10 @@ class TrainConfig:
     # inter-process events, no host wait; "auto" = $FREESCALE_COPY_ENGINE_COMPLETION,
     # else device. Bit-identical either way
     copy_engine_completion: Literal["auto", "host", "device"] = "auto"
+    # how the copy engine's per-collective handshakes travel: "shm" (one shared-memory
+    # file for the host's ranks, comm/shm_exchange.py), "gloo" (two gloo collectives per
+    # call); "auto" = $FREESCALE_COPY_ENGINE_HANDSHAKE, else shm where available. Same bits
+    copy_engine_handshake: Literal["auto", "shm", "gloo"] = "auto"
     # per-stage timing: "sync" synchronises the device at every stage boundary (exact
     # stage times, but no overlap across stages); "events" records CUDA events instead
     # and reads them one step later (no host sync on the compute stream for timing; the
@@ -223,6 +227,11 @@ class TrainConfig:
             raise ValueError(
                 "copy_engine_completion must be auto | host | device, "
                 f"got {self.copy_engine_completion!r}"
+            )
+        if self.copy_engine_handshake not in ("auto", "shm", "gloo"):
+            raise ValueError(
+                "copy_engine_handshake must be auto | shm | gloo, "
+                f"got {self.copy_engine_handshake!r}"
             )
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")

@@ -43,7 +43,9 @@ how long the training thread may wait for the interpreter lock behind the data-s
 and communicator threads; same bits); ``vanilla_pinned``, ``freescale_pinned``: the
 variant with its host threads pinned by role (``TrainConfig.pin_threads``,
 :mod:`~freescale.pipeline.placement`: do the launch threads need a core of their own?
-same bits). Every variant runs the GIL probe
+same bits); ``freescale_gloo_handshake``: freescale with the copy engine's
+per-collective handshakes on gloo instead of the shared-memory exchange
+(``TrainConfig.copy_engine_handshake``; same bits). Every variant runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -113,6 +115,7 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_fast_switch",
     "vanilla_pinned",
     "freescale_pinned",
+    "freescale_gloo_handshake",
 )
 # diagnostic variant -> Python's thread switch interval it sets, ms
 # (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
@@ -146,6 +149,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_fast_switch": ("prioritized", "fbs"),
     "vanilla_pinned": ("vanilla", None),
     "freescale_pinned": ("prioritized", "fbs"),
+    "freescale_gloo_handshake": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -225,6 +229,9 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         early_prepare=base.early_prepare and variant != "freescale_late_prepare",
         gil_switch_interval_ms=_SWITCH.get(variant, base.gil_switch_interval_ms),
         pin_threads=base.pin_threads or variant.endswith("_pinned"),
+        copy_engine_handshake="gloo"
+        if variant == "freescale_gloo_handshake"
+        else base.copy_engine_handshake,
     )
 
 
@@ -280,6 +287,7 @@ def run_variant(
         "steps_balanced": int(balance.steps_balanced) if balance else 0,
         # the copy engine's completion protocol, when it carried the overlapped traffic
         "copy_engine_completion": getattr(side, "completion", None),
+        "copy_engine_handshake": getattr(side, "handshake", None),
         "copy_engine_device_completions": int(getattr(side, "device_completions", 0)),
     }
     stage_ms = dict(summary.get("stage_ms", {}))

@@ -251,12 +251,17 @@ class Trainer:
         return create_communicator(backend, name=f"overlap-{backend}", config=self.smfree_config())
 
     def smfree_config(self) -> SMFreeConfig:
-        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion);
+        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion and
+        handshake);
         used for the overlapped traffic and by hooks that make SM-free communicators."""
         from ..comm import CopyEngineConfig, SMFreeConfig
 
-        completion = self.cfg.copy_engine_completion
-        return SMFreeConfig(copy_engine=CopyEngineConfig(completion=completion))
+        cfg = self.cfg
+        return SMFreeConfig(
+            copy_engine=CopyEngineConfig(
+                completion=cfg.copy_engine_completion, handshake=cfg.copy_engine_handshake
+            )
+        )
 
     def comm_bytes_by_backend(self) -> dict[str, int]:
         """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
