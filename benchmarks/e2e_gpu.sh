@@ -47,8 +47,9 @@
 #                                      # vanilla, freescale, freescale_pinned, vanilla_pinned,
 #                                      # 500 steps, 2 passes; prints the host's CPU topology
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
-#   bash benchmarks/e2e_gpu.sh gloo    # ~20 s: gloo_host.py (gloo bandwidth; does a gloo wait
-#                                      # spin? the data stage's waits took 22 ms on the GPU host)
+#   bash benchmarks/e2e_gpu.sh gloo    # ~40 s: gloo_host.py (gloo latency and bandwidth; does a
+#                                      # gloo wait spin?), copy_engine_call.py --device cuda
+#                                      # (the copy engine's per-call overhead, gloo vs shm handshake)
 #   bash benchmarks/e2e_gpu.sh xcpin   # ~2.5 min: exposed_comm.py (issue 5) with --pin-threads:
 #                                      # does host jitter make the ranks' issue skew?
 #   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
@@ -281,6 +282,9 @@ print('GPU local CPUs:', [sorted(g(i) or []) for i in range(torch.cuda.device_co
 gloo)
   timeout 120 python benchmarks/gloo_host.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
     2>&1 | tail -3
+  # the copy engine's per-call overhead with each handshake (gloo vs shared memory), CUDA
+  timeout 120 python benchmarks/copy_engine_call.py --device cuda --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" 2>&1 | tail -4
   ;;
 xcpin)
   mkdir -p "$OUT/xc_pin"
