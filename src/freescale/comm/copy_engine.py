@@ -18,7 +18,9 @@ How one all-to-all-v runs (every rank, same order):
    worker thread (one per communicator, which alone uses its gloo group).
 2. Worker: waits (host, with a timeout) until its receive buffer is free again: the
    previous copy-out from it finished, or the caller released the views it handed out.
-3. Worker: all-gathers a small int64 header through gloo: op, sequence number, dtype,
+3. Worker: all-gathers a small int64 header (the handshake channel: a shared-memory
+   exchange among the host's ranks by default, else gloo; ``CopyEngineConfig.handshake``,
+   :mod:`freescale.comm.shm_exchange`): op, sequence number, dtype,
    row bytes, input and output splits. Every rank then knows the full split matrix
    ``S[src][dst]`` and checks it globally (so a mismatch fails on *every* rank with the
    same message). This exchange doubles as the barrier "every receive buffer is free".
@@ -29,7 +31,8 @@ How one all-to-all-v runs (every rank, same order):
    exclusive prefix over source ranks of what ``p`` receives, which is exactly ``p``'s
    output layout. A contiguous same-dtype ``copy_`` whose destination lives on another
    GPU is a cudaMemcpy over NVLink: it runs on the copy engines, on no SM.
-6. Worker: waits (host) for its copies, then a gloo all-reduce of an error flag: after
+6. Worker: waits (host) for its copies, then an all-reduce of an error flag (same
+   channel): after
    it, every rank's data has landed in every receive buffer (and a rank whose copies
    failed makes every rank raise instead of hang).
 7. Contiguous output (``all_to_all_v``): the received bytes are copied from the receive
