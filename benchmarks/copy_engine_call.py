@@ -41,24 +41,20 @@ def _rank(rank: int, world: int, port: int, q: Any, device: str, calls: int) -> 
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     spent = {"header": 0.0, "completion": 0.0}
-    gh, ag = ce.CopyEngineCommunicator._gather_header, ce.CopyEngineCommunicator._agree
 
-    def timed_header(self: Any, *a: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return gh(self, *a)
-        finally:
-            spent["header"] += time.perf_counter() - t
+    def timed(fn: Any, key: str) -> Any:
+        def wrapper(self: Any, *a: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(self, *a)
+            finally:
+                spent[key] += time.perf_counter() - t
 
-    def timed_agree(self: Any, *a: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return ag(self, *a)
-        finally:
-            spent["completion"] += time.perf_counter() - t
+        return wrapper
 
-    ce.CopyEngineCommunicator._gather_header = timed_header  # type: ignore[method-assign]
-    ce.CopyEngineCommunicator._agree = timed_agree  # type: ignore[method-assign]
+    cls = ce.CopyEngineCommunicator
+    cls._gather_header = timed(cls._gather_header, "header")  # type: ignore[method-assign]
+    cls._agree = timed(cls._agree, "completion")  # type: ignore[method-assign]
     rows = []
     x = torch.randn(4096, 16, device=dev)
     splits = [4096 // world] * world
