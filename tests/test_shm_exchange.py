@@ -120,3 +120,35 @@ def test_a_gone_peer_is_reported_before_the_timeout(pool2, tmp_path):
 def test_constructor_checks():
     with pytest.raises(ValueError, match="max_len"):
         ShmExchange(None, 0, 1, max_len=0)  # type: ignore[arg-type]
+
+
+def _two_hosts(rank, world):
+    """Ranks that report different hosts: ``auto`` falls back to gloo on every rank (and
+    still moves data correctly); ``shm`` asked for explicitly fails on every rank."""
+    from unittest import mock
+
+    from freescale.comm.copy_engine import CopyEngineCommunicator, CopyEngineConfig
+    from freescale.comm.shm_exchange import ShmUnavailable
+
+    with mock.patch("freescale.comm.shm_exchange.socket.gethostname", lambda: f"host{rank}"):
+        comm = CopyEngineCommunicator.create(
+            name="twohosts", config=CopyEngineConfig(timeout_s=30), device="cpu"
+        )
+        got = comm.all_gather(torch.full((3,), float(rank)), name="ag").wait()
+        out = (comm.handshake, comm.handshake_note, [float(g[0]) for g in got])
+        comm.close()
+        try:
+            CopyEngineCommunicator.create(
+                name="twohosts_shm", config=CopyEngineConfig(handshake="shm"), device="cpu"
+            )
+            raised = None
+        except ShmUnavailable as e:
+            raised = str(e)
+    return out, raised
+
+
+def test_ranks_on_different_hosts_keep_gloo(pool2):
+    for rank, ((handshake, note, got), raised) in enumerate(pool2.run(_two_hosts)):
+        assert handshake == "gloo" and "span hosts" in note, (rank, note)
+        assert got == [0.0, 1.0]
+        assert raised is not None and "span hosts" in raised

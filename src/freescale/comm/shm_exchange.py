@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import tempfile
 import time
 import uuid
@@ -94,8 +95,13 @@ class ShmExchange:
             except OSError as e:
                 path, err = None, e
         paths: list[Any] = [None] * world
-        dist.all_gather_object(paths, path, group=pg)
-        path = paths[0]
+        dist.all_gather_object(paths, (path, socket.gethostname()), group=pg)
+        path = paths[0][0]
+        hosts = {h for _, h in paths}
+        if len(hosts) > 1:  # the file is only shared within one host
+            if rank == 0 and path is not None:
+                os.unlink(path)
+            raise ShmUnavailable(f"{name}: the ranks span hosts {sorted(hosts)}")
         mm = None
         if path is not None:
             try:
