@@ -208,7 +208,7 @@ smcheck|smcheck_then_e2e)
   echo "check_prioritized_cuda rc=$?"; tail -3 "$OUT/verify_prioritized.log"
   timeout 150 python -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_check_comm.py \
     > "$OUT/gpu_check_comm.log" 2>&1
-  echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions" \
+  echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions|handshake per" \
     "$OUT/gpu_check_comm.log" | head -20; grep -c CAUGHT "$OUT/gpu_check_comm.log"
   [ "$1" = smcheck ] && exit 0
   ;;&
