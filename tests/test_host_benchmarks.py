@@ -1,0 +1,43 @@
+"""The host diagnostics under benchmarks/ run and write well-formed figure files on CPU
+(structure only: these scripts report this machine's timings, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+FIGURE_KEYS = ("figure", "device", "git_sha", "date", "command", "rows", "headline")
+
+
+def _figure(path) -> dict:
+    d = json.loads(path.read_text())
+    assert all(k in d for k in FIGURE_KEYS), sorted(d)
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_copy_engine_call_runs_both_handshakes(tmp_path):
+    import copy_engine_call
+    from freescale.comm.shm_exchange import available
+
+    assert copy_engine_call.main(["--calls", "5", "--out", str(tmp_path)]) == 0
+    d = _figure(tmp_path / "copy_engine_call.json")
+    want = ["gloo", "shm"] if available()[0] else ["gloo", "gloo"]
+    assert [r["handshake"] for r in d["rows"]] == want
+    assert all(r["calls"] == 5 and r["ms_per_call"] > 0 for r in d["rows"])
+
+
+@pytest.mark.timeout(300)
+def test_gloo_host_writes_its_figure(tmp_path):
+    import gloo_host
+
+    assert gloo_host.main(["--reps", "1", "--out", str(tmp_path)]) == 0
+    d = _figure(tmp_path / "gloo_host.json")
+    ops = {r["op"] for r in d["rows"]}
+    assert {"all_to_all", "all_gather", "all_reduce_flag_1", "barrier"} <= ops
+    assert {"small_all_gather_ms", "all_to_all_gb_per_s_4mb"} <= set(d["headline"])
