@@ -55,6 +55,8 @@
 #   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
 #                                      # W=1..1024), then vanilla 300 steps with v3 and with v4
 #                                      # (FREESCALE_TRITON_DISPATCH=v4: same eval NE expected)
+#   bash benchmarks/e2e_gpu.sh cwait   # ~3 min: vanilla, freescale, freescale_nccl_overlap, 300 steps,
+#                                      # 2 passes, with the training thread's host wait per collective
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -372,5 +374,23 @@ ablate)
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate" >&2; exit 2 ;;
+cwait)
+  # (~3 min) where freescale's training thread blocks on the host: the copy engine vs a
+  # NCCL side group for the overlapped traffic (freescale_nccl_overlap was 3.5% faster in
+  # both passes at 1165645), with the "comm wait ms training thread" column (host ms per
+  # step inside collectives' wait(); per collective in each row's summary.host_cpu)
+  timeout 280 $E2E --out "$OUT/e2e_cwait" --nproc 2 --steps "${CWAIT_STEPS:-300}" --repeats 2 \
+    --profile-activities cuda --variants vanilla freescale freescale_nccl_overlap \
+    > "$OUT/e2e_cwait.log" 2>&1
+  echo "cwait rc=$?"; grep -E "^\| " "$OUT/e2e_cwait/e2e.md" | cut -c1-600
+  python - "$OUT/e2e_cwait/e2e.json" <<'PY' || true
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    hc = (r.get("summary") or {}).get("host_cpu") or {}
+    top = sorted((hc.get("comm_wait_training") or {}).items(), key=lambda kv: -kv[1]["ms_per_step"])
+    print(r["variant"], [(k, round(v["ms_per_step"], 2)) for k, v in top[:6]])
+PY
+  rm -rf "$OUT/e2e_cwait/traces" "$OUT"/e2e_cwait/*.png
+  ;;
+*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait" >&2; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ from freescale.comm import (
     HostStagedConfig,
     PinnedBufferPool,
 )
+from freescale.comm.base import Done, wait_clock
 
 torch.set_num_threads(1)
 
@@ -175,8 +176,20 @@ def _rank_job(rank: int, world: int, store: str, big_rows: int) -> None:
             ),
         )
         assert staged.chunk_bytes == 16 << 10
+        wait_clock.reset()
         for comm in (base, direct, staged):
             _collective_suite(comm, rank, world, big_rows)
+        # every blocking wait() is on the wait clock, by thread, backend and name: once
+        # per handle (a second wait() is free), not for a Done (nothing was waited for)
+        seen = wait_clock.snapshot()
+        for key in ("gloo:large", "host_staged:large"):
+            assert seen[f"MainThread|{key}"][1] >= 1, sorted(seen)
+        h = base.all_gather(torch.ones(2), name="twice")
+        h.wait()
+        h.wait()
+        assert wait_clock.snapshot()["MainThread|gloo:twice"][1] == 1
+        mine = wait_clock.per_step_ms(2, thread="MainThread")
+        assert mine["gloo:twice"]["calls_per_step"] == 0.5 and "MainThread|gloo:twice" not in mine
         for comm in (direct, staged):
             _fifo_suite(comm, rank, world)
         # pinned (here: staging) memory stayed under the cap and was reused
@@ -219,6 +232,9 @@ def test_world_of_one_and_config() -> None:
     assert comm.all_to_all_v(x, [4], [4]).wait() is x
     assert torch.equal(comm.exchange_counts(torch.tensor([[3]])), torch.tensor([[3]]))
     comm.barrier()
+    wait_clock.reset()
+    Done(x).wait()  # nothing to wait for: not on the wait clock
+    assert wait_clock.snapshot() == {}
     with pytest.raises(ValueError, match="splits"):
         comm.all_to_all_v(x, [3], [4])
     with pytest.raises(NotImplementedError, match="reductions"):

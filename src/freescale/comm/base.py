@@ -2,10 +2,12 @@
 
 Owns: :class:`Awaitable` (a handle whose ``wait()`` returns the result, as in
 TorchRec), :class:`Communicator` (all-gather, variable-split all-to-all, all-reduce
-over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU) and per-backend
-byte / call counters. SM-free backends (copy-engine, host-staged) implement the same
-:class:`Communicator` methods and live in sibling modules; callers never branch on the
-backend.
+over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU), per-backend
+byte / call counters and :data:`wait_clock` (host time each thread spent blocked in
+``wait()``, by backend and collective: where a thread waits for a peer or a worker
+rather than handing the wait to the device). SM-free backends (copy-engine,
+host-staged) implement the same :class:`Communicator` methods and live in sibling
+modules; callers never branch on the backend.
 
 It may not touch model state: it moves tensors and nothing else. Every collective
 carries a name, used in errors ("all_to_all 'ids' on rank 1 of 2 failed: ...").
@@ -14,6 +16,7 @@ carries a name, used in errors ("all_to_all 'ids' on rank 1 of 2 failed: ...").
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -23,7 +26,15 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["Awaitable", "Done", "CommStats", "Communicator", "CollectiveError"]
+__all__ = [
+    "Awaitable",
+    "Done",
+    "CommStats",
+    "Communicator",
+    "CollectiveError",
+    "WaitClock",
+    "wait_clock",
+]
 
 T = TypeVar("T")
 
@@ -41,6 +52,54 @@ on_error: Callable[[Awaitable, BaseException], CollectiveError] | None = None
 wait_timeout: datetime.timedelta | None = None
 
 
+class WaitClock:
+    """Host seconds spent inside :meth:`Awaitable.wait` (its first call: the works'
+    waits and the finish), and calls, per ``"thread|backend:name"``. On NCCL a wait
+    only makes the stream wait (microseconds on the host); on gloo, the copy engine and
+    host-staged it blocks the calling thread until the peers (or the backend's worker)
+    got there, which is host time the GPU queue may run dry in. Process-wide; the
+    trainer resets it at its first timed step and reports it per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._calls: dict[str, int] = defaultdict(int)
+
+    def add(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[key] += seconds
+            self._calls[key] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self._seconds.clear()
+            self._calls.clear()
+
+    def snapshot(self) -> dict[str, tuple[float, int]]:
+        """``{key: (seconds, calls)}`` since the last reset."""
+        with self._lock:
+            return {k: (self._seconds[k], self._calls[k]) for k in sorted(self._seconds)}
+
+    def per_step_ms(self, steps: int, thread: str | None = None) -> dict[str, dict[str, float]]:
+        """``{key: {"ms_per_step", "calls_per_step"}}`` over ``steps`` steps; with
+        ``thread``, that thread's keys only, the thread prefix dropped."""
+        out: dict[str, dict[str, float]] = {}
+        n = max(int(steps), 1)
+        for key, (sec, calls) in self.snapshot().items():
+            who, _, what = key.partition("|")
+            if thread is not None and who != thread:
+                continue
+            out[what if thread is not None else key] = {
+                "ms_per_step": 1e3 * sec / n,
+                "calls_per_step": calls / n,
+            }
+        return out
+
+
+#: The process's wait clock (see :class:`WaitClock`).
+wait_clock = WaitClock()
+
+
 class Awaitable(Generic[T]):
     """Result of an asynchronous collective. ``wait()`` blocks (or, on CUDA, makes the
     current stream wait) and returns the result; calling it twice is fine."""
@@ -51,11 +110,13 @@ class Awaitable(Generic[T]):
         finish: Callable[[], T],
         name: str = "",
         describe: str = "",
+        backend: str = "",
     ) -> None:
         self._works = list(works)
         self._finish = finish
         self._name = name
         self._describe = describe
+        self._backend = backend
         self._done = False
         self._result: T | None = None
         if on_issue is not None and self._works:
@@ -63,6 +124,7 @@ class Awaitable(Generic[T]):
 
     def wait(self) -> T:
         if not self._done:
+            t0 = time.perf_counter()
             try:
                 for w in self._works:
                     if wait_timeout is not None and isinstance(w, dist.Work):
@@ -75,6 +137,11 @@ class Awaitable(Generic[T]):
                 raise CollectiveError(f"{self._describe} failed: {e}") from e
             self._result = self._finish()
             self._done = True
+            if self._works:  # a Done has nothing to wait for
+                wait_clock.add(
+                    f"{threading.current_thread().name}|{self._backend or '?'}:{self._name}",
+                    time.perf_counter() - t0,
+                )
         return self._result  # type: ignore[return-value]
 
     def is_completed(self) -> bool:
@@ -156,7 +223,9 @@ class Communicator:
         except Exception as e:
             raise CollectiveError(f"{self._describe('all_gather', name)} failed: {e}") from e
         self.stats.seconds_issuing += time.perf_counter() - t0
-        return Awaitable([work], lambda: out, name, self._describe("all_gather", name))
+        return Awaitable(
+            [work], lambda: out, name, self._describe("all_gather", name), self.backend_name
+        )
 
     def all_to_all_v(
         self,
@@ -201,7 +270,9 @@ class Communicator:
         except Exception as e:
             raise CollectiveError(f"{self._describe('all_to_all', name)} failed: {e}") from e
         self.stats.seconds_issuing += time.perf_counter() - t0
-        return Awaitable([work], lambda: out, name, self._describe("all_to_all", name))
+        return Awaitable(
+            [work], lambda: out, name, self._describe("all_to_all", name), self.backend_name
+        )
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""
@@ -214,7 +285,9 @@ class Communicator:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         except Exception as e:
             raise CollectiveError(f"{self._describe('all_reduce', name)} failed: {e}") from e
-        return Awaitable([work], lambda: tensor, name, self._describe("all_reduce", name))
+        return Awaitable(
+            [work], lambda: tensor, name, self._describe("all_reduce", name), self.backend_name
+        )
 
     def exchange_counts(self, counts: torch.Tensor, name: str = "counts") -> torch.Tensor:
         """Blocking all-to-all of a ``[W, ...]`` integer count matrix: row d goes to rank d;

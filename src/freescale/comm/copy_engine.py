@@ -1235,8 +1235,8 @@ class CopyEngineCommunicator(Communicator):
             return job.result
 
         if views:
-            return SegmentsAwaitable([job], finish, name, describe, token=token)
-        return Awaitable([job], finish, name, describe)
+            return SegmentsAwaitable([job], finish, name, describe, "copy_engine", token=token)
+        return Awaitable([job], finish, name, describe, "copy_engine")
 
     # ---------------------------------------------------------- collectives
     def all_gather(
@@ -1407,7 +1407,7 @@ class CopyEngineCommunicator(Communicator):
 
         job = _Job(run, describe)
         self._submit(job)
-        res = Awaitable([job], lambda: job.result, name, describe).wait()
+        res = Awaitable([job], lambda: job.result, name, describe, "copy_engine").wait()
         return res.reshape(counts.shape).to(counts.device, counts.dtype)
 
     def all_reduce(
@@ -1431,7 +1431,7 @@ class CopyEngineCommunicator(Communicator):
 
         job = _Job(run, describe)
         self._submit(job)
-        Awaitable([job], lambda: None, name, describe).wait()
+        Awaitable([job], lambda: None, name, describe, "copy_engine").wait()
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -593,7 +593,7 @@ class HostStagedCommunicator(Communicator):
                 torch.cuda.current_stream(device).wait_event(event)
             return result()
 
-        return Awaitable([job], finish, name, describe)
+        return Awaitable([job], finish, name, describe, "host_staged")
 
     def _p2p_transfer(
         self, seq: int, op: str, name: str
@@ -774,7 +774,7 @@ class HostStagedCommunicator(Communicator):
 
         job = _Job(run, self._describe("barrier", name))
         worker.submit(job)
-        Awaitable([job], lambda: None, name, job.describe).wait()
+        Awaitable([job], lambda: None, name, job.describe, "host_staged").wait()
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:

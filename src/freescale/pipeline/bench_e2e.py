@@ -701,6 +701,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + ["GIL wait mean ms", "GIL wait p90 ms", "GIL wait p99 ms"]
         + ["unprofiled step ms", "non-compute ms (unprofiled est.)", "profiler inflation ms"]
         + ["data stage busy ms", "data stage blocked ms"]
+        + ["comm wait ms training thread"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -735,6 +736,8 @@ def _markdown(report: dict[str, Any]) -> str:
         cells += [f"{u[k]:.2f}" for k in keys] if u else ["n/a"] * 3
         dt = ((r.get("summary") or {}).get("data_thread") or {}).get("timing")
         cells += [f"{dt[k]:.2f}" for k in ("busy_ms", "blocked_ms")] if dt else ["n/a"] * 2
+        cw = (hc or {}).get("comm_wait_training_ms")
+        cells.append("n/a" if cw is None else f"{cw:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     h = report["headline"]
     if h.get("qps_by_pass"):
@@ -772,7 +775,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "it (how much the profiler slowed the step). Data stage: rank 0's data-stage "
         "thread, ms per prepared step in its work (busy) and blocked ahead of the training "
         "thread (pipeline/data_stage.py; busy near the step time with ~0 blocked: the data "
-        "stage bounds the step).",
+        "stage bounds the step). Comm wait: rank 0's training thread, host ms per timed "
+        "step inside collectives' wait() (comm.base.wait_clock; NCCL waits are "
+        "stream waits, gloo / copy-engine / host-staged ones block the thread until the "
+        "peers or the backend's worker got there; per collective in the row's summary).",
     ]
     proj = report.get("projection")
     if proj:

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
+from ..comm import base as comm_base
 from ..comm.base import Communicator
 from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tables
 from ..data.batch import JaggedBatch
@@ -732,11 +734,18 @@ class Trainer:
         gil_probe = GilProbe(cfg.gil_probe_ms) if cfg.gil_probe_ms > 0 else None
         host_cpu: dict[str, Any] | None = None
 
+        me = threading.current_thread().name
+
         def close_cpu_window() -> dict[str, Any] | None:
             out = cpu_meter.stop(acc.timed_steps)
             gil = gil_probe.stop() if gil_probe is not None else None
             if out is not None and gil is not None:
                 out["gil_wait"] = gil
+            if out is not None:  # host time blocked in collectives' wait(), per step
+                waits = comm_base.wait_clock.per_step_ms(acc.timed_steps, thread=me)
+                out["comm_wait_training"] = waits
+                out["comm_wait_training_ms"] = sum(w["ms_per_step"] for w in waits.values())
+                out["comm_wait_all_threads"] = comm_base.wait_clock.per_step_ms(acc.timed_steps)
             return out
 
         switch_before = sys.getswitchinterval()  # restored in the finally below
@@ -777,6 +786,7 @@ class Trainer:
                         pin_counts = apply_placement(pin)
                     t_start = time.perf_counter()
                     cpu_meter.start()
+                    comm_base.wait_clock.reset()
                     if self.device.type == "cuda" and os.environ.get("FREESCALE_SYNC_DEBUG"):
                         # diagnosis: warn at every call site that synchronises the device
                         # (once per site; a host-bound step shows its syncs here)
