@@ -78,6 +78,7 @@ class Checker:
         self.rank = rank
         self.failures = 0
         self.caught = 0
+        self.caught_by: dict[str, int] = {}  # per mutant communicator
         self.lines: list[str] = []
 
     def report(self, status: str, what: str, detail: str = "") -> None:
@@ -87,6 +88,8 @@ class Checker:
         print(line, flush=True)
         if status == "CAUGHT":
             self.caught += 1
+            who = what.split()[0]
+            self.caught_by[who] = self.caught_by.get(who, 0) + 1
         elif status != "OK":
             self.failures += status == "MISMATCH"
 
@@ -182,6 +185,22 @@ def main() -> int:
         )
         mutant._mutation = "skip_sent_wait"
         comms[f"copy_engine[{pm},device,mutant]"] = mutant
+        # wait="stream" (comm/stream_gate.py): wait() gates the current stream on a device
+        # flag instead of blocking; and its mutant, which returns without gating (the
+        # result is read before the copies land: must be CAUGHT)
+        for mut in (None, "skip_gate_wait"):
+            c = CopyEngineCommunicator.create(
+                name=f"ce_stream{'_mutant' if mut else ''}",
+                config=CopyEngineConfig(peer_memory=pm, completion="device", wait="stream", **cfg),
+                device=dev,
+            )
+            c._mutation = mut
+            label = f"copy_engine[{pm},device,stream_wait{',mutant_gate' if mut else ''}]"
+            if c.wait_mode != "stream":
+                chk.report("UNAVAILABLE", label, c.wait_note)
+                c.close()
+                continue
+            comms[label] = c
     if a.only is None or "host_staged" in a.only:
         comms["host_staged"] = HostStagedCommunicator.create(
             name="hs",
@@ -290,9 +309,14 @@ def main() -> int:
     fatal = int("host_staged" in broken) + int(
         bool(peer_memories) and all(f"copy_engine[{pm}]" in broken for pm in peer_memories)
     )
-    flags = torch.tensor([chk.failures, fatal, len(broken), chk.caught], dtype=torch.int64)
+    mutants = sorted(n for n in comms if "mutant" in n)
+    missed = sum(1 for n in mutants if not chk.caught_by.get(n))  # a mutant no check saw
+    flags = torch.tensor([chk.failures, fatal, len(broken), chk.caught, missed], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctrl)
-    mism, fat, nbroken, caught = (int(v) for v in flags)
+    mism, fat, nbroken, caught, nmissed = (int(v) for v in flags)
+    gates = {n: c._gate.waits for n, c in comms.items() if getattr(c, "_gate", None) is not None}
+    print(f"[rank {rank}] stream-gate waits per communicator: {gates}", flush=True)
+    print(f"[rank {rank}] caught per mutant: {dict(chk.caught_by)} of {mutants}", flush=True)
     device_runs = {
         n: c.device_completions
         for n, c in comms.items()
@@ -303,11 +327,16 @@ def main() -> int:
     print(f"[rank {rank}] handshake per communicator: {handshakes}", flush=True)
     if rank == 0:
         verdict = "PASS" if mism == 0 and fat == 0 else "FAIL"
+        power = (
+            "ok"
+            if (caught and not nmissed) or a.cpu
+            else f"{nmissed} mutant(s) NOT CAUGHT: the check cannot see the race"
+        )
         print(
             f"gpu_check_comm: {verdict}: {mism} mismatch(es) on the worst rank, "
             f"{nbroken} backend(s) unavailable somewhere ({sorted(broken) or 'none'} here), "
-            f"mutant caught in {caught} check(s) on the worst rank "
-            f"({'ok' if caught or a.cpu else 'NOT CAUGHT: the check cannot see the race'}), "
+            f"mutants caught in {caught} check(s) on the worst rank "
+            f"({power}), "
             f"{time.monotonic() - t0:.1f} s",
             flush=True,
         )

@@ -40,6 +40,8 @@ def _run(rank, world, cfg, corrupt=False, balance=False):
     side = getattr(tr.sparse, "side_comm", None)
     summary["device_completions"] = getattr(side, "device_completions", 0)
     summary["handshake"] = getattr(side, "handshake", None)
+    gate = getattr(side, "_gate", None)
+    summary["gate_waits"] = gate.waits if gate is not None else 0
     return _state(tr), summary
 
 
@@ -51,16 +53,17 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize(
-    "mode,backend,completion,handshake",
+    "mode,backend,completion,handshake,wait",
     [
-        ("prioritized", "host_staged", None, "auto"),
-        ("prioritized", "copy_engine", "host", "gloo"),
-        ("prioritized", "copy_engine", "device", "shm"),
-        ("sdd", "auto", None, "auto"),
+        ("prioritized", "host_staged", None, "auto", "auto"),
+        ("prioritized", "copy_engine", "host", "gloo", "auto"),
+        ("prioritized", "copy_engine", "device", "shm", "auto"),
+        ("prioritized", "copy_engine", "device", "shm", "stream"),
+        ("sdd", "auto", None, "auto", "auto"),
     ],
 )
 def test_overlapped_traffic_on_smfree_backends_is_exact(
-    pool2, mode, backend, completion, handshake
+    pool2, mode, backend, completion, handshake, wait
 ):
     from freescale.comm.shm_exchange import available
 
@@ -74,6 +77,7 @@ def test_overlapped_traffic_on_smfree_backends_is_exact(
         overlap_backend=backend,
         copy_engine_completion=completion or "auto",
         copy_engine_handshake=handshake,
+        copy_engine_wait=wait,
     )
     res = pool2.run(_run, cfg)
     assert _equal(res, van), f"{mode} over {backend} differs from vanilla"
@@ -86,6 +90,10 @@ def test_overlapped_traffic_on_smfree_backends_is_exact(
     assert (s["device_completions"] > 0) == (completion == "device"), s["device_completions"]
     if backend == "copy_engine":  # the handshake asked for carried the collectives
         assert s["handshake"] == handshake, s["handshake"]
+        # wait="stream": the exclusive rows and gradients were gated (host-emulated gate
+        # on CPU ranks), and the summary says so
+        assert (s["gate_waits"] > 0) == (wait == "stream"), s["gate_waits"]
+        assert s["copy_engine"]["wait_mode"] == ("stream" if wait == "stream" else "host")
 
 
 def test_a_broken_smfree_backend_is_caught(pool2):

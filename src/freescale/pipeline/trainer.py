@@ -253,15 +253,17 @@ class Trainer:
         return create_communicator(backend, name=f"overlap-{backend}", config=self.smfree_config())
 
     def smfree_config(self) -> SMFreeConfig:
-        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion and
-        handshake);
+        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion,
+        handshake and wait);
         used for the overlapped traffic and by hooks that make SM-free communicators."""
         from ..comm import CopyEngineConfig, SMFreeConfig
 
         cfg = self.cfg
         return SMFreeConfig(
             copy_engine=CopyEngineConfig(
-                completion=cfg.copy_engine_completion, handshake=cfg.copy_engine_handshake
+                completion=cfg.copy_engine_completion,
+                handshake=cfg.copy_engine_handshake,
+                wait=cfg.copy_engine_wait,
             )
         )
 
@@ -904,6 +906,8 @@ class Trainer:
                 getattr(self.sparse, "side_comm", None), "backend_name", None
             ),
             "comm_bytes_by_backend": self.comm_bytes_by_backend(),
+            # the copy engine's protocol in force, when it carries the overlapped traffic
+            "copy_engine": _copy_engine_protocol(getattr(self.sparse, "side_comm", None)),
             **ev,
         }
         if accounting is not None:
@@ -1076,6 +1080,16 @@ def _fit_table_sizes(tables: list, source: Any) -> None:
 
 def summary_to_json(summary: dict[str, Any], cfg: TrainConfig) -> str:
     return json.dumps({"summary": summary, "config": config_to_dict(cfg)}, indent=2, default=float)
+
+
+def _copy_engine_protocol(comm: Any) -> dict[str, Any] | None:
+    """Completion, handshake and wait mode of a copy-engine communicator (else None)."""
+    if getattr(comm, "backend_name", None) != "copy_engine":
+        return None
+    out = {k: getattr(comm, k, None) for k in ("completion", "handshake", "wait_mode")}
+    notes = [getattr(comm, k, "") for k in ("completion_note", "handshake_note", "wait_note")]
+    out["notes"] = [n for n in notes if n]
+    return out
 
 
 @dataclass
