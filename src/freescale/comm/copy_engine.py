@@ -105,6 +105,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from freescale.comm import base as _base
 from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, wait_clock
 from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
 from freescale.comm.shm_exchange import ShmExchange, ShmUnavailable
@@ -769,6 +770,8 @@ class _GatedAwaitable(Awaitable[Any]):
         job = self._works[0]
         err = job.error if job.is_completed() else None  # type: ignore[attr-defined]
         if err is not None:
+            if _base.on_error is not None:  # the fault monitor names the step and stage
+                raise _base.on_error(self, err) from err
             raise CollectiveError(f"{self._describe} failed: {err}") from err
 
     def wait(self) -> Any:
@@ -778,6 +781,8 @@ class _GatedAwaitable(Awaitable[Any]):
             try:
                 self._result = self._finish()
             except TimeoutError as e:
+                if _base.on_error is not None:
+                    raise _base.on_error(self, e) from e
                 raise CollectiveError(f"{self._describe} failed: {e}") from e
             # a host gate (CPU) returns once the collective completed or a failure opened
             # it: raise that failure here; a stream gate has not waited yet
