@@ -207,6 +207,9 @@ def make_row(
         "transfer_gbps_during_kernel": b / (statistics.median(overlapped_ms) * 1e6),
         "coverage": statistics.median(coverage) if coverage else 0.0,
         "reps": len(overlapped_ms),
+        # wall clock when the cell finished: lines the rows up with clock/power samples
+        # taken alongside (e2e_gpu.sh smc2: nvidia-smi every 100 ms)
+        "finished_unix": time.time(),
     }
     row.update(extra)
     return row

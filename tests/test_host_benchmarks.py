@@ -41,3 +41,28 @@ def test_gloo_host_writes_its_figure(tmp_path):
     ops = {r["op"] for r in d["rows"]}
     assert {"all_to_all", "all_gather", "all_reduce_flag_1", "barrier"} <= ops
     assert {"small_all_gather_ms", "all_to_all_gb_per_s_4mb"} <= set(d["headline"])
+
+
+@pytest.mark.timeout(300)
+def test_sm_contention_smoke_writes_its_figure(tmp_path):
+    """`sm_contention.py --smoke` (2 CPU ranks, synthetic cells: the figure's pipeline,
+    not a measurement) writes the figure with its headline, and every row carries the
+    wall clock it finished at (for lining rows up with clock samples, e2e_gpu.sh smc2)."""
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        os.path.join(here, "..", "benchmarks", "sm_contention.py"),
+        "--smoke",
+        "--out",
+        str(tmp_path),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=240)
+    d = _figure(tmp_path / "sm_contention.json")
+    assert d["rows"] and all(r["finished_unix"] > 0 for r in d["rows"])
+    assert "smfree_vs_nccl_slowdown_ratio" in d["headline"]
