@@ -531,14 +531,21 @@ def ce_error_suite(rank: int, world: int, wait: str = "host") -> str:
     assert "all_to_all 'bad'" in msg and f"rank {rank} of {world}" in msg, msg
     assert f"group ranks {list(range(world))}" in msg, msg
     assert f"rank 0 sends {S[0][1]} rows to rank 1, which expects {S[0][1] + 1}" in msg, msg
-    # the worker kept the error: later submissions are refused with it
+    # the worker kept the error: later submissions are refused with it, and drain()
+    # (what Trainer.flush calls with wait="stream") raises it too
     with pytest.raises(CollectiveError, match="failed earlier"):
         comm.all_gather(x, name="after")
+    with pytest.raises(CollectiveError, match="an earlier collective failed"):
+        comm.drain()
     comm.close()
     with pytest.raises(CollectiveError, match="closed"):
         comm.all_gather(x, name="closed")
 
     # (2) a timed-out collective: rank 0 issues one that no other rank issues
+    ok_comm = CopyEngineCommunicator.create(name="ok", config=cfg, device="cpu")
+    _check_a2a(ok_comm, rank, 23, _splits(23, world, 5), name="fine")
+    ok_comm.drain()  # nothing failed: returns
+    ok_comm.close()
     comm_t = CopyEngineCommunicator.create(
         name="lonely", config=CopyEngineConfig(timeout_s=1.0, wait=wait), device="cpu"
     )

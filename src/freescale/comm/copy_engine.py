@@ -1540,6 +1540,27 @@ class CopyEngineCommunicator(Communicator):
         res = Awaitable([job], lambda: job.result, name, describe, "copy_engine").wait()
         return res.reshape(counts.shape).to(counts.device, counts.dtype)
 
+    def drain(self, name: str = "drain") -> None:
+        """Block until every collective queued so far has run on the worker, and raise
+        the first failure (a :class:`CollectiveError` naming it). Rank-local (no
+        collective). With ``wait="stream"``, ``wait()`` does not see a failure that comes
+        after it; this is where it surfaces at the latest (``Trainer.flush`` calls it
+        before evaluations, checkpoints and the end)."""
+        if self.world_size == 1 or self._thread is None:
+            return
+        describe = self._describe("drain", name)
+        job = _Job(lambda: None, describe)
+        if self._error is None:
+            self._submit(job)
+            try:
+                job.wait()
+            except BaseException:  # noqa: BLE001 - the worker's own error is the message
+                pass
+        if self._error is not None:
+            raise CollectiveError(
+                f"{describe}: an earlier collective failed: {self._error}"
+            ) from self._error
+
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""
     ) -> Awaitable[torch.Tensor]:

@@ -564,6 +564,10 @@ class Trainer:
         flush = getattr(self.sparse, "flush", None)
         if flush is not None:
             flush()
+        side = getattr(self.sparse, "side_comm", None)
+        if getattr(side, "wait_mode", None) == "stream":
+            # its wait() does not see a failure after it: every collective ran, or raise
+            side.drain()
         tally = getattr(self.sparse, "tally", None)
         if tally is not None:
             tally.settle()  # device-side row counts into the stats (waits for them)
