@@ -52,7 +52,8 @@ How one all-to-all-v runs (every rank, same order):
    returns the output allocated in step 1; the worker writes k on its copy stream behind
    collective k's last copy. The caller's thread then never waits for the peers' workers
    (a late peer stalls only the stream). A failure in the worker then surfaces at the
-   next call on the communicator (the gate is opened so that no stream waits forever):
+   next call on the communicator or at :meth:`CopyEngineCommunicator.drain` (which
+   ``Trainer.flush`` calls; the gate is opened so that no stream waits forever):
    the stream may have consumed incomplete data by then, so the run must end there —
    the error propagates and no checkpoint follows. Views (``*_segments``,
    ``views=True``) keep the host wait: their tensors come from the worker's plan.
