@@ -687,6 +687,28 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _wait_lines(rows: list[dict[str, Any]], top: int = 5) -> list[str]:
+    """Where each row's training thread blocked in collectives' ``wait()`` (rank 0, ms
+    per timed step, the largest ``top``; comm.base.wait_clock), or nothing if no row
+    has it."""
+    out: list[str] = []
+    for r in rows:
+        hc = (r.get("summary") or {}).get("host_cpu") or {}
+        waits = hc.get("comm_wait_training")
+        if waits is None:
+            continue
+        big = sorted(waits.items(), key=lambda kv: -kv[1]["ms_per_step"])[:top]
+        cells = ", ".join(
+            f"{k} {v['ms_per_step']:.2f} ({v['calls_per_step']:.1f}x)" for k, v in big
+        )
+        tag = f" (pass {int(r.get('pass', 0)) + 1})"
+        out.append(f"- {r['variant']}{tag}: {hc['comm_wait_training_ms']:.2f} ms: {cells or '-'}")
+    if not out:
+        return []
+    head = "Training thread blocked in collectives' wait() (rank 0, ms per step; calls per step):"
+    return ["", head, "", *out]
+
+
 def _markdown(report: dict[str, Any]) -> str:
     cols = [
         ("variant", "{}"),
@@ -756,6 +778,7 @@ def _markdown(report: dict[str, Any]) -> str:
             cells = [f"{x:.1f}" for x in q] + ["n/a"] * (n - len(q))
             cells.append("n/a" if spread is None else f"{spread:.3f}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += _wait_lines(report["rows"] + report.get("repeat_rows", []))
     lines += ["", "Headline (freescale vs vanilla):", ""]
     for k, v in report["headline"].items():
         lines.append(f"- `{k}`: {v}")
