@@ -575,6 +575,7 @@ def ce_error_suite(rank: int, world: int, wait: str = "host") -> str:
         (4, "host", "shm", "auto"),
         (2, "device", "shm", "stream"),
         (4, "device", "shm", "auto"),
+        (4, "host", "shm", "stream"),
         (2, "device", "gloo", "auto"),
         (4, "host", "gloo", "auto"),
     ],
