@@ -207,8 +207,8 @@ def test_diagnostic_variants_force_one_setting_only():
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_stream_wait", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
-    assert got.copy_engine_wait == "stream" and ref0.copy_engine_wait == "auto"
-    assert got == dataclasses.replace(ref0, copy_engine_wait="stream", log_path=got.log_path)
+    assert got.smfree_wait == "stream" and ref0.smfree_wait == "auto"
+    assert got == dataclasses.replace(ref0, smfree_wait="stream", log_path=got.log_path)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"

@@ -274,8 +274,8 @@ def test_copy_engine_handshake_resolution(monkeypatch) -> None:
         CopyEngineConfig().resolved_handshake()
 
 
-def test_copy_engine_wait_resolution(monkeypatch) -> None:
-    """``auto`` follows FREESCALE_COPY_ENGINE_WAIT (host | stream), else host (the stream
+def test_smfree_wait_resolution(monkeypatch) -> None:
+    """``auto`` follows FREESCALE_SMFREE_WAIT (host | stream), else host (the stream
     gate is opt-in); explicit values win; a bad variable is an error."""
     from freescale.comm.copy_engine import WAIT_ENV
 

@@ -118,13 +118,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "$FREESCALE_COPY_ENGINE_HANDSHAKE, else shm where available. Bit-identical",
     )
     p.add_argument(
-        "--copy-engine-wait",
+        "--smfree-wait",
         choices=["auto", "host", "stream"],
         default="auto",
-        help="what a copy-engine collective's wait() does: host (block until its worker "
-        "issued the copies) or stream (gate the current stream on a device flag the worker "
-        "writes behind them; CUDA); auto = $FREESCALE_COPY_ENGINE_WAIT, else host. "
-        "Bit-identical",
+        help="what an SM-free collective's wait() does (copy engine, host-staged): host "
+        "(block until the backend's worker issued the last copies) or stream (gate the "
+        "current stream on a flag the worker writes behind them); auto = "
+        "$FREESCALE_SMFREE_WAIT, else host. Bit-identical",
     )
     p.add_argument(
         "--gil-switch-interval-ms",
@@ -295,7 +295,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
         copy_engine_handshake=getattr(args, "copy_engine_handshake", "auto"),
-        copy_engine_wait=getattr(args, "copy_engine_wait", "auto"),
+        smfree_wait=getattr(args, "smfree_wait", "auto"),
         early_prepare=not getattr(args, "late_prepare", False),
         gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
@@ -421,13 +421,15 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"training thread blocked in collectives' wait() (rank 0): "
                 f"{hc['comm_wait_training_ms']:.2f} ms per step" + (f" ({parts})" if parts else "")
             )
-    ce = s.get("copy_engine")
-    if ce:
-        notes = f" ({'; '.join(ce['notes'])})" if ce.get("notes") else ""
-        print(
-            f"copy engine (overlapped traffic): completion {ce['completion']}, handshake "
-            f"{ce['handshake']}, wait {ce['wait_mode']}{notes}"
+    sf = s.get("smfree")
+    if sf:
+        notes = f" ({'; '.join(sf['notes'])})" if sf.get("notes") else ""
+        proto = (
+            f"completion {sf['completion']}, handshake {sf['handshake']}, "
+            if sf["backend"] == "copy_engine"
+            else ""
         )
+        print(f"{sf['backend']} (overlapped traffic): {proto}wait {sf['wait_mode']}{notes}")
     dt = (s.get("data_thread") or {}).get("timing")
     if dt and dt.get("prepared"):
         print(

@@ -106,12 +106,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale.comm import base as _base
-from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, wait_clock
+from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, GatedAwaitable
 from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
 from freescale.comm.shm_exchange import ShmExchange, ShmUnavailable
 from freescale.comm.shm_exchange import available as shm_available
-from freescale.comm.stream_gate import HostGate, StreamGate, gate_available
+from freescale.comm.stream_gate import (
+    WAIT_ENV,  # noqa: F401 - re-exported (tests, docs)
+    HostGate,
+    StreamGate,
+    gate_available,
+    resolve_wait,
+)
 
 __all__ = [
     "CopyEngineConfig",
@@ -378,7 +383,6 @@ _PEER_MEMORY = ("auto", "symmetric", "ipc", "host_shm")
 _COMPLETION = ("auto", "host", "device")
 COMPLETION_ENV = "FREESCALE_COPY_ENGINE_COMPLETION"
 HANDSHAKE_ENV = "FREESCALE_COPY_ENGINE_HANDSHAKE"
-WAIT_ENV = "FREESCALE_COPY_ENGINE_WAIT"
 
 
 @dataclass
@@ -416,7 +420,7 @@ class CopyEngineConfig:
       worker writes behind the copies (CUDA with device completion only; elsewhere, or
       where the driver's stream memory operations fail their self-test, ``host`` with
       the reason in :attr:`CopyEngineCommunicator.wait_note`); ``auto`` = the
-      ``FREESCALE_COPY_ENGINE_WAIT`` variable if set, else ``host`` (``stream`` is
+      ``FREESCALE_SMFREE_WAIT`` variable if set, else ``host`` (``stream`` is
       opt-in until measured on GPUs). Same bytes either way; the rank-local choice
       needs no agreement (the gate is local to the rank).
     """
@@ -468,14 +472,7 @@ class CopyEngineConfig:
 
     def resolved_wait(self) -> str:
         """``host`` or ``stream`` (``auto`` resolved through the environment)."""
-        if self.wait != "auto":
-            return self.wait
-        env = os.environ.get(WAIT_ENV, "").strip().lower()
-        if env in ("", "auto", "host"):
-            return "host"
-        if env == "stream":
-            return "stream"
-        raise ValueError(f"{WAIT_ENV}={env!r}: use host, stream or auto")
+        return resolve_wait(self.wait)
 
     def resolved_completion(self) -> str:
         """``host`` or ``device`` (``auto`` resolved through the environment)."""
@@ -761,41 +758,6 @@ class SegmentsAwaitable(Awaitable[Any]):
             self._token.release()
 
 
-class _GatedAwaitable(Awaitable[Any]):
-    """Handle of a contiguous collective in ``wait="stream"`` mode: ``wait()`` gates the
-    current stream on the communicator's flag and returns the preallocated output
-    without blocking (an error the worker already met is raised; a later one surfaces
-    at the next call on the communicator)."""
-
-    def _raise_if_failed(self) -> None:
-        job = self._works[0]
-        err = job.error if job.is_completed() else None  # type: ignore[attr-defined]
-        if err is not None:
-            if _base.on_error is not None:  # the fault monitor names the step and stage
-                raise _base.on_error(self, err) from err
-            raise CollectiveError(f"{self._describe} failed: {err}") from err
-
-    def wait(self) -> Any:
-        if not self._done:
-            t0 = time.perf_counter()
-            self._raise_if_failed()
-            try:
-                self._result = self._finish()
-            except TimeoutError as e:
-                if _base.on_error is not None:
-                    raise _base.on_error(self, e) from e
-                raise CollectiveError(f"{self._describe} failed: {e}") from e
-            # a host gate (CPU) returns once the collective completed or a failure opened
-            # it: raise that failure here; a stream gate has not waited yet
-            self._raise_if_failed()
-            self._done = True
-            wait_clock.add(
-                f"{threading.current_thread().name}|{self._backend}:{self._name}",
-                time.perf_counter() - t0,
-            )
-        return self._result
-
-
 @dataclass
 class _Slot:
     """One receive buffer (worker-owned, except ``views`` which callers set)."""
@@ -854,6 +816,7 @@ class CopyEngineCommunicator(Communicator):
         self._closed = False
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._issue_lock = threading.Lock()
         self._seq = 0
         self._slots = [_Slot() for _ in range(self.config.num_recv_buffers)]
         self.completion = self.config.resolved_completion()
@@ -1251,14 +1214,21 @@ class CopyEngineCommunicator(Communicator):
         ``out`` (flat bytes) receives the contiguous result unless ``views``."""
         describe = self._describe(op_name, name)
         self._check_open(op_name, name)
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-            idx, pre, token = self._claim_slot(seq, views)
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        # sequence order = queue order, even with several issuing threads (the stream
+        # gate's values rely on it); released once the job is queued
+        self._issue_lock.acquire()
+        try:
+            with self._lock:
+                seq = self._seq
+                self._seq += 1
+                idx, pre, token = self._claim_slot(seq, views)
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+        except BaseException:
+            self._issue_lock.release()
+            raise
         hdr = [op, seq, _code(str(src.dtype)), hdr_row, _code(name)]
         if splits is not None:
             hdr += splits[0] + splits[1]
@@ -1342,7 +1312,10 @@ class CopyEngineCommunicator(Communicator):
             return make_result(plan, slot)
 
         job = _Job(run, describe)
-        self._submit(job)
+        try:
+            self._submit(job)
+        finally:
+            self._issue_lock.release()
         gate = self._gate
         if gate is not None and not views:
             result_now = make_result(None, None)  # type: ignore[arg-type]  # preallocated
@@ -1357,7 +1330,7 @@ class CopyEngineCommunicator(Communicator):
                     gate.wait(stream, seq + 1)
                 return result_now
 
-            return _GatedAwaitable([job], finish_gated, name, describe, "copy_engine")
+            return GatedAwaitable([job], finish_gated, name, describe, "copy_engine")
 
         def finish() -> Any:
             ev = box.get("done")

@@ -27,12 +27,32 @@ is what the CPU tests exercise (value numbering, ordering, the error path).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Any
 
 import torch
 
-__all__ = ["StreamGate", "HostGate", "gate_available", "reached"]
+__all__ = ["StreamGate", "HostGate", "gate_available", "reached", "resolve_wait", "WAIT_ENV"]
+
+#: what ``wait="auto"`` of the SM-free backends follows (host | stream), else host
+WAIT_ENV = "FREESCALE_SMFREE_WAIT"
+
+
+def resolve_wait(mode: str) -> str:
+    """``host`` or ``stream`` for a backend config's ``wait`` (``auto`` resolved through
+    :data:`WAIT_ENV`; ``stream`` is opt-in until measured on GPUs)."""
+    if mode not in ("auto", "host", "stream"):
+        raise ValueError(f"wait must be auto, host or stream, got {mode!r}")
+    if mode != "auto":
+        return mode
+    env = os.environ.get(WAIT_ENV, "").strip().lower()
+    if env in ("", "auto", "host"):
+        return "host"
+    if env == "stream":
+        return "stream"
+    raise ValueError(f"{WAIT_ENV}={env!r}: use host, stream or auto")
+
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT (with a memory barrier)

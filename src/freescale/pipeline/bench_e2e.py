@@ -47,7 +47,7 @@ same bits); ``freescale_gloo_handshake``: freescale with the copy engine's
 per-collective handshakes on gloo instead of the shared-memory exchange
 (``TrainConfig.copy_engine_handshake``; same bits); ``freescale_stream_wait``:
 freescale with the copy engine's ``wait()`` as a device-side gate instead of a host
-block (``TrainConfig.copy_engine_wait="stream"``; same bits). Every variant runs the GIL probe
+block (``TrainConfig.smfree_wait="stream"``; same bits). Every variant runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -236,7 +236,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         copy_engine_handshake="gloo"
         if variant == "freescale_gloo_handshake"
         else base.copy_engine_handshake,
-        copy_engine_wait="stream" if variant == "freescale_stream_wait" else base.copy_engine_wait,
+        smfree_wait="stream" if variant == "freescale_stream_wait" else base.smfree_wait,
     )
 
 
@@ -293,7 +293,7 @@ def run_variant(
         # the copy engine's completion protocol, when it carried the overlapped traffic
         "copy_engine_completion": getattr(side, "completion", None),
         "copy_engine_handshake": getattr(side, "handshake", None),
-        "copy_engine_wait": getattr(side, "wait_mode", None),
+        "smfree_wait": getattr(side, "wait_mode", None),
         "copy_engine_device_completions": int(getattr(side, "device_completions", 0)),
     }
     stage_ms = dict(summary.get("stage_ms", {}))

@@ -256,15 +256,16 @@ class Trainer:
         """The SM-free backends' config from :attr:`cfg` (the copy engine's completion,
         handshake and wait);
         used for the overlapped traffic and by hooks that make SM-free communicators."""
-        from ..comm import CopyEngineConfig, SMFreeConfig
+        from ..comm import CopyEngineConfig, HostStagedConfig, SMFreeConfig
 
         cfg = self.cfg
         return SMFreeConfig(
             copy_engine=CopyEngineConfig(
                 completion=cfg.copy_engine_completion,
                 handshake=cfg.copy_engine_handshake,
-                wait=cfg.copy_engine_wait,
-            )
+                wait=cfg.smfree_wait,
+            ),
+            host_staged=HostStagedConfig(wait=cfg.smfree_wait),
         )
 
     def comm_bytes_by_backend(self) -> dict[str, int]:
@@ -910,8 +911,9 @@ class Trainer:
                 getattr(self.sparse, "side_comm", None), "backend_name", None
             ),
             "comm_bytes_by_backend": self.comm_bytes_by_backend(),
-            # the copy engine's protocol in force, when it carries the overlapped traffic
-            "copy_engine": _copy_engine_protocol(getattr(self.sparse, "side_comm", None)),
+            # the SM-free protocol in force, when an SM-free backend carries the
+            # overlapped traffic (copy engine: completion, handshake; both: wait mode)
+            "smfree": _smfree_protocol(getattr(self.sparse, "side_comm", None)),
             **ev,
         }
         if accounting is not None:
@@ -1086,11 +1088,14 @@ def summary_to_json(summary: dict[str, Any], cfg: TrainConfig) -> str:
     return json.dumps({"summary": summary, "config": config_to_dict(cfg)}, indent=2, default=float)
 
 
-def _copy_engine_protocol(comm: Any) -> dict[str, Any] | None:
-    """Completion, handshake and wait mode of a copy-engine communicator (else None)."""
-    if getattr(comm, "backend_name", None) != "copy_engine":
+def _smfree_protocol(comm: Any) -> dict[str, Any] | None:
+    """Backend, wait mode and (copy engine) completion and handshake of an SM-free
+    communicator, with the notes of any fallback; None for other communicators."""
+    backend = getattr(comm, "backend_name", None)
+    if backend not in ("copy_engine", "host_staged"):
         return None
-    out = {k: getattr(comm, k, None) for k in ("completion", "handshake", "wait_mode")}
+    out = {"backend": backend}
+    out.update({k: getattr(comm, k, None) for k in ("completion", "handshake", "wait_mode")})
     notes = [getattr(comm, k, "") for k in ("completion_note", "handshake_note", "wait_note")]
     out["notes"] = [n for n in notes if n]
     return out
