@@ -206,6 +206,13 @@ def main() -> int:
             name="hs",
             config=HostStagedConfig(chunk_bytes=4 << 20, timeout_s=60, stage_host_tensors=a.cpu),
         )
+        # wait="stream": the caller's stream gated on the worker's flag (comm/stream_gate)
+        comms["host_staged[stream_wait]"] = HostStagedCommunicator.create(
+            name="hs_stream",
+            config=HostStagedConfig(
+                chunk_bytes=4 << 20, timeout_s=60, stage_host_tensors=a.cpu, wait="stream"
+            ),
+        )
     broken: dict[str, str] = {}
     heavy = torch.randn(256 if a.cpu else 4096, 256 if a.cpu else 4096, device=dev)
 
@@ -297,6 +304,14 @@ def main() -> int:
                     chk.report("UNAVAILABLE", f"{name} ({label})", broken[name][:300])
     if not a.cpu:
         torch.cuda.synchronize()
+    # stream-gate waits (copy engine: its own flag; host-staged: its group worker's)
+    gates: dict[str, object] = {}
+    for n, c in comms.items():
+        if getattr(c, "_gate", None) is not None:
+            gates[n] = c._gate.waits
+        w = getattr(c, "_worker", None)
+        if getattr(c, "wait_mode", None) == "stream" and hasattr(w, "_gates"):
+            gates[n] = {d: ("unavailable" if g is None else g.waits) for d, g in w._gates.items()}
     for name, comm in comms.items():
         if name.startswith("copy_engine") and name not in broken:
             print(
@@ -314,7 +329,6 @@ def main() -> int:
     flags = torch.tensor([chk.failures, fatal, len(broken), chk.caught, missed], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctrl)
     mism, fat, nbroken, caught, nmissed = (int(v) for v in flags)
-    gates = {n: c._gate.waits for n, c in comms.items() if getattr(c, "_gate", None) is not None}
     print(f"[rank {rank}] stream-gate waits per communicator: {gates}", flush=True)
     print(f"[rank {rank}] caught per mutant: {dict(chk.caught_by)} of {mutants}", flush=True)
     device_runs = {
