@@ -107,7 +107,13 @@ import torch
 import torch.distributed as dist
 
 from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, GatedAwaitable
-from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
+from freescale.comm.host_staged import (
+    _STOP,
+    HostStagedCommunicator,
+    HostStagedConfig,
+    _Job,
+    drain_queue,
+)
 from freescale.comm.shm_exchange import ShmExchange, ShmUnavailable
 from freescale.comm.shm_exchange import available as shm_available
 from freescale.comm.stream_gate import (
@@ -1522,18 +1528,7 @@ class CopyEngineCommunicator(Communicator):
         before evaluations, checkpoints and the end)."""
         if self.world_size == 1 or self._thread is None:
             return
-        describe = self._describe("drain", name)
-        job = _Job(lambda: None, describe)
-        if self._error is None:
-            self._submit(job)
-            try:
-                job.wait()
-            except BaseException:  # noqa: BLE001 - the worker's own error is the message
-                pass
-        if self._error is not None:
-            raise CollectiveError(
-                f"{describe}: an earlier collective failed: {self._error}"
-            ) from self._error
+        drain_queue(self._submit, lambda: self._error, self._describe("drain", name))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""

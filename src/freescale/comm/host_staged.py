@@ -271,6 +271,26 @@ class _Job:
 _STOP = object()
 
 
+def drain_queue(
+    submit: Callable[[_Job], None] | None,
+    error: Callable[[], BaseException | None],
+    describe: str,
+) -> None:
+    """Queue a no-op behind every job a FIFO worker holds, wait for it, and raise the
+    worker's first failure (``error()``) as a :class:`CollectiveError`; ``submit=None``:
+    the worker stopped, only the failure is checked. The SM-free backends' ``drain()``."""
+    if submit is not None and error() is None:
+        job = _Job(lambda: None, describe)
+        submit(job)
+        try:
+            job.wait()
+        except BaseException:  # noqa: BLE001 - the worker's own error is the message
+            pass
+    err = error()
+    if err is not None:
+        raise CollectiveError(f"{describe}: an earlier collective failed: {err}") from err
+
+
 class _GroupWorker:
     """The FIFO worker thread of one gloo group, with its pool and copy streams."""
 
@@ -851,18 +871,8 @@ class HostStagedCommunicator(Communicator):
         if self.world_size == 1 or self._worker is None:
             return
         worker = self._worker
-        describe = self._describe("drain", name)
-        if worker.error is None and not worker._stopped:
-            job = _Job(lambda: None, describe)
-            worker.submit(job)
-            try:
-                job.wait()
-            except BaseException:  # noqa: BLE001 - the worker's own error is the message
-                pass
-        if worker.error is not None:
-            raise CollectiveError(
-                f"{describe}: an earlier collective failed: {worker.error}"
-            ) from worker.error
+        submit = None if worker._stopped else worker.submit
+        drain_queue(submit, lambda: worker.error, self._describe("drain", name))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""
