@@ -397,7 +397,7 @@ ablate)
 cwait)
   # (~3 min) where freescale's training thread blocks on the host: the copy engine vs a
   # NCCL side group for the overlapped traffic (freescale_nccl_overlap was 3.5% faster in
-  # both passes at 1165645), with the "comm wait ms training thread" column (host ms per
+  # both passes at 1165645), with the "host wait ms training thread" column (host ms per
   # step inside collectives' wait(); per collective in each row's summary.host_cpu)
   # freescale_stream_wait: the copy engine's wait() as a device-side gate (comm/stream_gate.py)
   timeout 380 $E2E --out "$OUT/e2e_cwait" --nproc 2 --steps "${CWAIT_STEPS:-300}" --repeats 2 \
@@ -409,7 +409,7 @@ cwait)
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     hc = (r.get("summary") or {}).get("host_cpu") or {}
-    top = sorted((hc.get("comm_wait_training") or {}).items(), key=lambda kv: -kv[1]["ms_per_step"])
+    top = sorted((hc.get("host_wait_training") or {}).items(), key=lambda kv: -kv[1]["ms_per_step"])
     print(r["variant"], [(k, round(v["ms_per_step"], 2)) for k, v in top[:6]])
 PY
   rm -rf "$OUT/e2e_cwait/traces" "$OUT"/e2e_cwait/*.png

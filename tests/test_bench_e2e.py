@@ -96,12 +96,12 @@ def test_e2e_report_numerics(pool2, tmp_path):
             assert hc["steps"] > 0 and "training" in hc["by_group_ms_per_step"], hc
             assert hc["gil_wait"]["wakes"] >= 0, hc  # the probe ran (no timing asserted)
             # the training thread's blocking waits (gloo here), by backend and name
-            cw = hc["comm_wait_training"]
+            cw = hc["host_wait_training"]
             assert any(k.startswith("gloo:") and v["calls_per_step"] > 0 for k, v in cw.items())
-            assert hc["comm_wait_training_ms"] >= 0 and hc["comm_wait_all_threads"], hc
+            assert hc["host_wait_training_ms"] >= 0 and hc["host_wait_all_threads"], hc
     assert "host cpu/wall" in md and "GIL wait p99 ms" in md
     if os.path.isdir("/proc/self/task"):  # the per-collective waits, listed per row
-        assert "Training thread blocked in collectives' wait()" in md
+        assert "Training thread blocked in collectives' wait() and host waits" in md
         assert all(f"- {v}" in md for v in VARIANTS)
     # the main table: every row has as many cells as the header (the unprofiled columns
     # once had a header and no cells)

@@ -21,7 +21,7 @@ from freescale.comm import (
     HostStagedConfig,
     PinnedBufferPool,
 )
-from freescale.comm.base import Done, wait_clock
+from freescale.comm.base import Done, device_wait, wait_clock
 
 torch.set_num_threads(1)
 
@@ -279,6 +279,9 @@ def test_world_of_one_and_config() -> None:
     wait_clock.reset()
     Done(x).wait()  # nothing to wait for: not on the wait clock
     assert wait_clock.snapshot() == {}
+    with device_wait("probe"):  # a host wait for the device, on the same clock
+        pass
+    assert wait_clock.snapshot()["MainThread|device:probe"][1] == 1
     with pytest.raises(ValueError, match="splits"):
         comm.all_to_all_v(x, [3], [4])
     with pytest.raises(NotImplementedError, match="reductions"):

@@ -413,13 +413,13 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"p99 {gw['p99_ms']:.2f}, max {gw['max_ms']:.1f}; "
                 f"{gw['share_over_1ms']:.0%} of wakes over 1 ms"
             )
-        cw = hc.get("comm_wait_training")
+        cw = hc.get("host_wait_training")
         if cw is not None:
             top = sorted(cw.items(), key=lambda kv: -kv[1]["ms_per_step"])[:4]
             parts = ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in top)
             print(
-                f"training thread blocked in collectives' wait() (rank 0): "
-                f"{hc['comm_wait_training_ms']:.2f} ms per step" + (f" ({parts})" if parts else "")
+                f"training thread blocked in collectives' wait() and device waits (rank 0): "
+                f"{hc['host_wait_training_ms']:.2f} ms per step" + (f" ({parts})" if parts else "")
             )
     sf = s.get("smfree")
     if sf:

@@ -35,6 +35,7 @@ __all__ = [
     "CollectiveError",
     "WaitClock",
     "wait_clock",
+    "device_wait",
 ]
 
 T = TypeVar("T")
@@ -99,6 +100,25 @@ class WaitClock:
 
 #: The process's wait clock (see :class:`WaitClock`).
 wait_clock = WaitClock()
+
+
+class device_wait:  # noqa: N801 - used like a function: ``with device_wait("mask_read"):``
+    """Count a host wait for the device (an event's ``synchronize()``) on the wait clock
+    as ``"thread|device:<name>"``: the other way a thread blocks, next to collectives'
+    ``wait()``. When the GPU has drained its queue up to that point, the wait is where
+    the queue runs dry."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        wait_clock.add(
+            f"{threading.current_thread().name}|device:{self.name}",
+            time.perf_counter() - self.t0,
+        )
 
 
 class Awaitable(Generic[T]):

@@ -115,7 +115,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm.base import Awaitable, Communicator
+from ..comm.base import Awaitable, Communicator, device_wait
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.reference import gather_blocks
@@ -913,7 +913,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         assert p.masks_y is not None and p.host is not None
         w = self.comm.world_size
         if p.host_ready is not None:
-            p.host_ready.synchronize()
+            with device_wait("mask_read"):
+                p.host_ready.synchronize()
         both = p.host.tolist()
         tr = torch.tensor(both[: w * _TRAILER], dtype=torch.int64).reshape(w, _TRAILER)
         own = both[w * _TRAILER : w * _TRAILER + 2 * w]

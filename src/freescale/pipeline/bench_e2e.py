@@ -694,7 +694,7 @@ def _wait_lines(rows: list[dict[str, Any]], top: int = 5) -> list[str]:
     out: list[str] = []
     for r in rows:
         hc = (r.get("summary") or {}).get("host_cpu") or {}
-        waits = hc.get("comm_wait_training")
+        waits = hc.get("host_wait_training")
         if waits is None:
             continue
         big = sorted(waits.items(), key=lambda kv: -kv[1]["ms_per_step"])[:top]
@@ -702,10 +702,13 @@ def _wait_lines(rows: list[dict[str, Any]], top: int = 5) -> list[str]:
             f"{k} {v['ms_per_step']:.2f} ({v['calls_per_step']:.1f}x)" for k, v in big
         )
         tag = f" (pass {int(r.get('pass', 0)) + 1})"
-        out.append(f"- {r['variant']}{tag}: {hc['comm_wait_training_ms']:.2f} ms: {cells or '-'}")
+        out.append(f"- {r['variant']}{tag}: {hc['host_wait_training_ms']:.2f} ms: {cells or '-'}")
     if not out:
         return []
-    head = "Training thread blocked in collectives' wait() (rank 0, ms per step; calls per step):"
+    head = (
+        "Training thread blocked in collectives' wait() and host waits for the device "
+        "(device:*) (rank 0, ms per step; calls per step):"
+    )
     return ["", head, "", *out]
 
 
@@ -729,7 +732,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + ["GIL wait mean ms", "GIL wait p90 ms", "GIL wait p99 ms"]
         + ["unprofiled step ms", "non-compute ms (unprofiled est.)", "profiler inflation ms"]
         + ["data stage busy ms", "data stage blocked ms"]
-        + ["comm wait ms training thread"]
+        + ["host wait ms training thread"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -764,7 +767,7 @@ def _markdown(report: dict[str, Any]) -> str:
         cells += [f"{u[k]:.2f}" for k in keys] if u else ["n/a"] * 3
         dt = ((r.get("summary") or {}).get("data_thread") or {}).get("timing")
         cells += [f"{dt[k]:.2f}" for k in ("busy_ms", "blocked_ms")] if dt else ["n/a"] * 2
-        cw = (hc or {}).get("comm_wait_training_ms")
+        cw = (hc or {}).get("host_wait_training_ms")
         cells.append("n/a" if cw is None else f"{cw:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     h = report["headline"]
@@ -804,10 +807,11 @@ def _markdown(report: dict[str, Any]) -> str:
         "it (how much the profiler slowed the step). Data stage: rank 0's data-stage "
         "thread, ms per prepared step in its work (busy) and blocked ahead of the training "
         "thread (pipeline/data_stage.py; busy near the step time with ~0 blocked: the data "
-        "stage bounds the step). Comm wait: rank 0's training thread, host ms per timed "
-        "step inside collectives' wait() (comm.base.wait_clock; NCCL waits are "
-        "stream waits, gloo / copy-engine / host-staged ones block the thread until the "
-        "peers or the backend's worker got there; per collective in the row's summary).",
+        "stage bounds the step). Host wait: rank 0's training thread, host ms per timed "
+        "step inside collectives' wait() and in host waits for the device (device:*: the "
+        "mask read, the step marks) (comm.base.wait_clock; NCCL waits are stream waits, "
+        "gloo / copy-engine / host-staged ones block the thread until the peers or the "
+        "backend's worker got there; per collective in the list below the table).",
     ]
     proj = report.get("projection")
     if proj:

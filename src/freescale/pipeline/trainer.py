@@ -748,11 +748,11 @@ class Trainer:
             gil = gil_probe.stop() if gil_probe is not None else None
             if out is not None and gil is not None:
                 out["gil_wait"] = gil
-            if out is not None:  # host time blocked in collectives' wait(), per step
+            if out is not None:  # host time blocked in wait() / device waits, per step
                 waits = comm_base.wait_clock.per_step_ms(acc.timed_steps, thread=me)
-                out["comm_wait_training"] = waits
-                out["comm_wait_training_ms"] = sum(w["ms_per_step"] for w in waits.values())
-                out["comm_wait_all_threads"] = comm_base.wait_clock.per_step_ms(acc.timed_steps)
+                out["host_wait_training"] = waits
+                out["host_wait_training_ms"] = sum(w["ms_per_step"] for w in waits.values())
+                out["host_wait_all_threads"] = comm_base.wait_clock.per_step_ms(acc.timed_steps)
             return out
 
         switch_before = sys.getswitchinterval()  # restored in the finally below
@@ -935,7 +935,8 @@ class Trainer:
         step_marks: _Marks | None = rec.pop("_step_marks", None)
         marks: _Marks | None = rec.pop("_marks", None)
         if marks is not None:
-            marks.synchronize()
+            with comm_base.device_wait("step_marks"):  # the step before, one step late
+                marks.synchronize()
             rec["times"].update(marks.stage_times(step_marks))
         if isinstance(rec["loss_sum"], torch.Tensor):  # host memory: its copy is done
             rec["loss_sum"] = float(rec["loss_sum"])
