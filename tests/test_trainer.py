@@ -4,6 +4,7 @@ bad input rejected on every rank without a hang or a partial update, config chec
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -253,6 +254,21 @@ def test_profile_activities_option():
     assert any(e.name == "aten::add_" for e in prof.events())
     with pytest.raises(ValueError, match="profile_activities"):
         dataclasses.replace(tiny_config(), profile_activities="gpu")
+
+
+def test_cupti_teardown_env(monkeypatch):
+    """A CUDA profiler asks kineto to release CUPTI when it stops (TEARDOWN_CUPTI=1),
+    unless a value is already set; CPU devices leave the environment alone. (Without it,
+    CUPTI stays attached and slowed every later run in the process by 16% on H200.)"""
+    from freescale.pipeline.trainer import CUPTI_TEARDOWN_ENV, ensure_cupti_teardown
+
+    monkeypatch.delenv(CUPTI_TEARDOWN_ENV, raising=False)
+    assert ensure_cupti_teardown(torch.device("cpu")) is None
+    assert CUPTI_TEARDOWN_ENV not in os.environ
+    assert ensure_cupti_teardown(torch.device("cuda", 0)) == "1"
+    assert os.environ[CUPTI_TEARDOWN_ENV] == "1"
+    monkeypatch.setenv(CUPTI_TEARDOWN_ENV, "0")  # the user's (or inductor's) choice wins
+    assert ensure_cupti_teardown(torch.device("cuda", 0)) == "0"
 
 
 def pinned_run(rank, world, cfg):

@@ -1029,6 +1029,9 @@ class Trainer:
         acts = self.cfg.profile_activities
         cuda_only = acts == "cuda" and self.device.type == "cuda"
         out["profile_activities"] = "cuda" if cuda_only else "cpu_cuda"
+        # whether CUPTI is released after this window (later runs in the process pay
+        # its per-launch cost otherwise; ensure_cupti_teardown)
+        out["cupti_teardown"] = os.environ.get(CUPTI_TEARDOWN_ENV)
         if keep:
             out["trace_dir"] = keep
         return out
@@ -1189,10 +1192,31 @@ class _BackwardMark(torch.autograd.Function):
         return grad, None, None
 
 
+#: kineto's switch: release CUPTI when a profiler stops ("1") or keep it attached
+CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"
+
+
+def ensure_cupti_teardown(device: torch.device) -> str | None:
+    """Before the first CUDA profiler of the process: ask kineto to detach CUPTI when the
+    profiler stops. Without ``TEARDOWN_CUPTI=1`` kineto leaves CUPTI attached for the
+    rest of the process (pytorch/pytorch#144455), and every later kernel launch pays its
+    callbacks: on 2 H200 at ``6bd6de1`` a ``freescale`` run that followed a profiled
+    ``vanilla`` run in the same process lost 16% QPS in its unprofiled steps
+    (``benchmarks/results/e2e_profiler_ab_6bd6de1.json``). A value already set (by the
+    user, or by inductor, which sets ``0`` when CUDA graphs are on) is kept. Returns
+    the value in force (None on CPU devices, where there is no CUPTI)."""
+    if device.type != "cuda":
+        return None
+    return os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")
+
+
 def _start_profiler(device: torch.device, activities: str = "auto") -> Any:
     """torch.profiler over the profiled steps: host ops and GPU activity, or (``"cuda"``
-    on a CUDA device) GPU activity only (TrainConfig.profile_activities)."""
+    on a CUDA device) GPU activity only (TrainConfig.profile_activities). CUPTI is
+    released when it stops (:func:`ensure_cupti_teardown`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    ensure_cupti_teardown(device)
 
     if device.type == "cuda" and activities == "cuda":
         acts = [ProfilerActivity.CUDA]
