@@ -1201,9 +1201,12 @@ def ensure_cupti_teardown(device: torch.device) -> str | None:
     profiler stops. Without ``TEARDOWN_CUPTI=1`` kineto leaves CUPTI attached for the
     rest of the process (pytorch/pytorch#144455), and every later kernel launch pays its
     callbacks: on 2 H200 at ``6bd6de1`` a ``freescale`` run that followed a profiled
-    ``vanilla`` run in the same process lost 16% QPS in its unprofiled steps
-    (``benchmarks/results/e2e_profiler_ab_6bd6de1.json``). A value already set (by the
-    user, or by inductor, which sets ``0`` when CUDA graphs are on) is kept. Returns
+    ``vanilla`` run in the same process ran 16% slower in its unprofiled steps than
+    with no profiler at all (``benchmarks/results/e2e_prof20_6bd6de1.json`` against
+    ``e2e_prof0_6bd6de1.json``, one device call; vanilla, profiled after its timed
+    steps, was not slowed) — CUPTI left attached fits, the effect of this switch is
+    still to be measured. A value already set (by the user, or by inductor, which sets ``0``
+    when CUDA graphs are on) is kept. Returns
     the value in force (None on CPU devices, where there is no CUPTI)."""
     if device.type != "cuda":
         return None
