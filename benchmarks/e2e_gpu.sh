@@ -57,10 +57,8 @@
 #   bash benchmarks/e2e_gpu.sh kv4     # ~3 min: dispatch v4 in training: check_kernels_cuda (v4 at
 #                                      # W=1..1024), then vanilla 300 steps with v3 and with v4
 #                                      # (FREESCALE_TRITON_DISPATCH=v4: same eval NE expected)
-#   bash benchmarks/e2e_gpu.sh cwait   # ~4.5 min: vanilla, freescale, freescale_nccl_overlap,
-#                                      # freescale_stream_wait, 300 steps, 2 passes, with the
-#                                      # training thread's host wait per collective
-#                                      # (run smcheck first: gpu_check_comm checks the stream gate)
+#   bash benchmarks/e2e_gpu.sh cwait   # ~3 min: vanilla, freescale, freescale_nccl_overlap, 300 steps,
+#                                      # 2 passes, with the training thread's host wait per collective
 #   bash benchmarks/e2e_gpu.sh bal64   # ~2 min: tier 2 by parameters, float64 and float32
 #                                      # (check_balance_cuda.py: vanilla, reorderings,
 #                                      # shuffle, fbs): is FBS's NE distance rounding?
@@ -214,7 +212,7 @@ smcheck|smcheck_then_e2e)
   echo "check_prioritized_cuda rc=$?"; tail -3 "$OUT/verify_prioritized.log"
   timeout 150 python -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_check_comm.py \
     > "$OUT/gpu_check_comm.log" 2>&1
-  echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions|handshake per|stream-gate|caught per" \
+  echo "gpu_check_comm rc=$?"; grep -E "gpu_check_comm:|MISMATCH|UNAVAILABLE|device completions|handshake per|caught per" \
     "$OUT/gpu_check_comm.log" | head -20; grep -c CAUGHT "$OUT/gpu_check_comm.log"
   [ "$1" = smcheck ] && exit 0
   ;;&
@@ -399,10 +397,9 @@ cwait)
   # NCCL side group for the overlapped traffic (freescale_nccl_overlap was 3.5% faster in
   # both passes at 1165645), with the "host wait ms training thread" column (host ms per
   # step inside collectives' wait(); per collective in each row's summary.host_cpu)
-  # freescale_stream_wait: the copy engine's wait() as a device-side gate (comm/stream_gate.py)
   timeout 380 $E2E --out "$OUT/e2e_cwait" --nproc 2 --steps "${CWAIT_STEPS:-300}" --repeats 2 \
     --profile-activities cuda \
-    --variants vanilla freescale freescale_nccl_overlap freescale_stream_wait \
+    --variants vanilla freescale freescale_nccl_overlap \
     > "$OUT/e2e_cwait.log" 2>&1
   echo "cwait rc=$?"; grep -E "^\| " "$OUT/e2e_cwait/e2e.md" | cut -c1-600
   python - "$OUT/e2e_cwait/e2e.json" <<'PY' || true

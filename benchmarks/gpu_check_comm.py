@@ -185,33 +185,10 @@ def main() -> int:
         )
         mutant._mutation = "skip_sent_wait"
         comms[f"copy_engine[{pm},device,mutant]"] = mutant
-        # wait="stream" (comm/stream_gate.py): wait() gates the current stream on a device
-        # flag instead of blocking; and its mutant, which returns without gating (the
-        # result is read before the copies land: must be CAUGHT)
-        for mut in (None, "skip_gate_wait"):
-            c = CopyEngineCommunicator.create(
-                name=f"ce_stream{'_mutant' if mut else ''}",
-                config=CopyEngineConfig(peer_memory=pm, completion="device", wait="stream", **cfg),
-                device=dev,
-            )
-            c._mutation = mut
-            label = f"copy_engine[{pm},device,stream_wait{',mutant_gate' if mut else ''}]"
-            if c.wait_mode != "stream":
-                chk.report("UNAVAILABLE", label, c.wait_note)
-                c.close()
-                continue
-            comms[label] = c
     if a.only is None or "host_staged" in a.only:
         comms["host_staged"] = HostStagedCommunicator.create(
             name="hs",
             config=HostStagedConfig(chunk_bytes=4 << 20, timeout_s=60, stage_host_tensors=a.cpu),
-        )
-        # wait="stream": the caller's stream gated on the worker's flag (comm/stream_gate)
-        comms["host_staged[stream_wait]"] = HostStagedCommunicator.create(
-            name="hs_stream",
-            config=HostStagedConfig(
-                chunk_bytes=4 << 20, timeout_s=60, stage_host_tensors=a.cpu, wait="stream"
-            ),
         )
     broken: dict[str, str] = {}
     heavy = torch.randn(256 if a.cpu else 4096, 256 if a.cpu else 4096, device=dev)
@@ -304,14 +281,6 @@ def main() -> int:
                     chk.report("UNAVAILABLE", f"{name} ({label})", broken[name][:300])
     if not a.cpu:
         torch.cuda.synchronize()
-    # stream-gate waits (copy engine: its own flag; host-staged: its group worker's)
-    gates: dict[str, object] = {}
-    for n, c in comms.items():
-        if getattr(c, "_gate", None) is not None:
-            gates[n] = c._gate.waits
-        w = getattr(c, "_worker", None)
-        if getattr(c, "wait_mode", None) == "stream" and hasattr(w, "_gates"):
-            gates[n] = {d: ("unavailable" if g is None else g.waits) for d, g in w._gates.items()}
     for name, comm in comms.items():
         if name.startswith("copy_engine") and name not in broken:
             print(
@@ -329,7 +298,6 @@ def main() -> int:
     flags = torch.tensor([chk.failures, fatal, len(broken), chk.caught, missed], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctrl)
     mism, fat, nbroken, caught, nmissed = (int(v) for v in flags)
-    print(f"[rank {rank}] stream-gate waits per communicator: {gates}", flush=True)
     print(f"[rank {rank}] caught per mutant: {dict(chk.caught_by)} of {mutants}", flush=True)
     device_runs = {
         n: c.device_completions

@@ -203,12 +203,8 @@ def test_diagnostic_variants_force_one_setting_only():
     others = {"freescale_host_completion", "freescale_late_prepare"}
     switch = {"vanilla_fast_switch": "vanilla", "freescale_fast_switch": "freescale"}
     pinned = {"vanilla_pinned": "vanilla", "freescale_pinned": "freescale"}
-    others |= {"freescale_gloo_handshake", "freescale_stream_wait"}
+    others |= {"freescale_gloo_handshake"}
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
-    got = _variant_cfg(base, "freescale_stream_wait", "prioritized")
-    ref0 = _variant_cfg(base, "freescale", "prioritized")
-    assert got.smfree_wait == "stream" and ref0.smfree_wait == "auto"
-    assert got == dataclasses.replace(ref0, smfree_wait="stream", log_path=got.log_path)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"

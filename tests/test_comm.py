@@ -158,39 +158,6 @@ def _error_suite(rank: int, world: int) -> None:
             comm_t.barrier()
     comm_t.close()
 
-    # (3) wait="stream": a failure opens the gate and is raised at wait() (CPU: the host
-    # gate returns once the worker failed), at the next call and at drain()
-    comm_g = HostStagedCommunicator.create(
-        name="gated_faulty", config=HostStagedConfig(timeout_s=20, wait="stream")
-    )
-    comm_g._fault = fault
-    _check_a2a(comm_g, rank, 24, S, name="fine")
-    h = comm_g.all_to_all_v(x, S[rank], [S[s][rank] for s in range(world)], name="boom")
-    with pytest.raises(CollectiveError, match="injected transfer failure"):
-        h.wait()
-    with pytest.raises(CollectiveError, match="an earlier collective failed"):
-        comm_g.drain()
-    comm_g.close()
-
-    # (4) the gate is what orders the result: a mutant that returns without it hands out
-    # the output before the (delayed) transfer wrote it — the comparison must see that
-    for mutation, want_bad in ((None, False), ("skip_gate_wait", True)):
-        c = HostStagedCommunicator.create(
-            name=f"gated_{mutation}",
-            config=HostStagedConfig(timeout_s=20, stage_host_tensors=True, wait="stream"),
-        )
-        c._mutation, c._test_delay_s = mutation, 0.3
-        bad = 0
-        for i in range(3):
-            Sg = [[v + 1 for v in row] for row in _splits(600 + i, world, 30)]
-            xg = _input(600 + i, rank, sum(Sg[rank]), (4,), torch.float32)
-            got = c.all_to_all_v(xg, Sg[rank], [Sg[s][rank] for s in range(world)]).wait()
-            want = _expected_a2a(600 + i, Sg, rank, (4,), torch.float32)
-            bad += not torch.equal(got.clone(), want)
-        c.barrier()
-        assert (bad > 0) == want_bad, (mutation, bad)
-        c.close()
-
 
 def _rank_job(rank: int, world: int, store: str, big_rows: int) -> None:
     torch.set_num_threads(1)
@@ -209,15 +176,8 @@ def _rank_job(rank: int, world: int, store: str, big_rows: int) -> None:
             ),
         )
         assert staged.chunk_bytes == 16 << 10
-        # wait="stream": the caller is gated on the worker's flag instead of blocking
-        # (HostGate on CPU tensors: the same protocol on the host)
-        gated = HostStagedCommunicator.create(
-            name="hs_gated",
-            config=HostStagedConfig(chunk_bytes=16 << 10, stage_host_tensors=True, wait="stream"),
-        )
-        assert gated.wait_mode == "stream" and direct.wait_mode == "host"
         wait_clock.reset()
-        for comm in (base, direct, staged, gated):
+        for comm in (base, direct, staged):
             _collective_suite(comm, rank, world, big_rows)
         # every blocking wait() is on the wait clock, by thread, backend and name: once
         # per handle (a second wait() is free), not for a Done (nothing was waited for)
@@ -230,12 +190,8 @@ def _rank_job(rank: int, world: int, store: str, big_rows: int) -> None:
         assert wait_clock.snapshot()["MainThread|gloo:twice"][1] == 1
         mine = wait_clock.per_step_ms(2, thread="MainThread")
         assert mine["gloo:twice"]["calls_per_step"] == 0.5 and "MainThread|gloo:twice" not in mine
-        for comm in (direct, staged, gated):
+        for comm in (direct, staged):
             _fifo_suite(comm, rank, world)
-        g = gated._worker.gate(torch.device("cpu"))
-        assert g is not None and g.waits > 20 and g.writes >= g.waits, (g.waits, g.writes)
-        gated.drain()  # nothing failed: returns
-        gated.close()
         # pinned (here: staging) memory stayed under the cap and was reused
         pool = staged._worker.pool_for(torch.device("cpu"))
         assert 0 < pool.peak_bytes_pinned <= cap, (pool.peak_bytes_pinned, cap)

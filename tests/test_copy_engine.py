@@ -253,7 +253,6 @@ def test_copy_engine_config_validation() -> None:
         dict(timeout_s=0),
         dict(completion="gpu"),
         dict(handshake="tcp"),
-        dict(wait="async"),
     ]:
         with pytest.raises(ValueError):
             CopyEngineConfig(**bad)
@@ -272,34 +271,6 @@ def test_copy_engine_handshake_resolution(monkeypatch) -> None:
     monkeypatch.setenv(HANDSHAKE_ENV, "tcp")
     with pytest.raises(ValueError, match=HANDSHAKE_ENV):
         CopyEngineConfig().resolved_handshake()
-
-
-def test_smfree_wait_resolution(monkeypatch) -> None:
-    """``auto`` follows FREESCALE_SMFREE_WAIT (host | stream), else host (the stream
-    gate is opt-in); explicit values win; a bad variable is an error."""
-    from freescale.comm.copy_engine import WAIT_ENV
-
-    monkeypatch.delenv(WAIT_ENV, raising=False)
-    assert CopyEngineConfig().resolved_wait() == "host"
-    monkeypatch.setenv(WAIT_ENV, "stream")
-    assert CopyEngineConfig().resolved_wait() == "stream"
-    assert CopyEngineConfig(wait="host").resolved_wait() == "host"
-    monkeypatch.setenv(WAIT_ENV, "later")
-    with pytest.raises(ValueError, match=WAIT_ENV):
-        CopyEngineConfig().resolved_wait()
-
-
-def test_stream_gate_needs_cuda() -> None:
-    """The stream gate (comm/stream_gate.py) is CUDA-only: unavailable with the reason on
-    CPU; constructing one on a CPU device is an error. Its semantics are checked on GPUs
-    by benchmarks/gpu_check_comm.py (bitwise against NCCL, and a mutant that returns
-    without gating the stream, which must be caught)."""
-    from freescale.comm.stream_gate import StreamGate, gate_available
-
-    ok, why = gate_available("cpu")
-    assert not ok and "CUDA" in why
-    with pytest.raises(RuntimeError, match="CUDA"):
-        StreamGate(torch.device("cpu"))
 
 
 def test_copy_engine_completion_resolution(monkeypatch) -> None:
@@ -391,12 +362,7 @@ def _check_segments(comm, rank, seed, S, feat=(3,), dtype=torch.float32, name="s
 
 
 def ce_suite(
-    rank: int,
-    world: int,
-    big_rows: int,
-    completion: str = "host",
-    handshake: str = "auto",
-    wait: str = "auto",
+    rank: int, world: int, big_rows: int, completion: str = "host", handshake: str = "auto"
 ) -> dict:
     torch.set_num_threads(1)
     base = Communicator()
@@ -406,7 +372,6 @@ def ce_suite(
         timeout_s=60,
         completion=completion,
         handshake=handshake,
-        wait=wait,
     )
     comm = CopyEngineCommunicator.create(name="ce", config=cfg, device="cpu")
     assert comm.completion == completion
@@ -504,18 +469,14 @@ def ce_suite(
             "device_completions": comm.device_completions,
             "handshake": comm.handshake,
             "shm_exchanges": comm._xchg.exchanges if comm._xchg is not None else 0,
-            "wait_mode": comm.wait_mode,
-            "wait_note": comm.wait_note,
-            "gate_waits": comm._gate.waits if comm._gate is not None else 0,
-            "gate_writes": comm._gate.writes if comm._gate is not None else 0,
         }
     finally:
         comm.close()
 
 
-def ce_error_suite(rank: int, world: int, wait: str = "host") -> str:
+def ce_error_suite(rank: int, world: int) -> str:
     torch.set_num_threads(1)
-    cfg = CopyEngineConfig(initial_buffer_bytes=4096, timeout_s=30, wait=wait)
+    cfg = CopyEngineConfig(initial_buffer_bytes=4096, timeout_s=30)
     comm = CopyEngineCommunicator.create(name="ce_err", config=cfg, device="cpu")
     # (1) inconsistent splits fail on every rank, with the same message
     S = _splits(21, world, 5)
@@ -531,23 +492,16 @@ def ce_error_suite(rank: int, world: int, wait: str = "host") -> str:
     assert "all_to_all 'bad'" in msg and f"rank {rank} of {world}" in msg, msg
     assert f"group ranks {list(range(world))}" in msg, msg
     assert f"rank 0 sends {S[0][1]} rows to rank 1, which expects {S[0][1] + 1}" in msg, msg
-    # the worker kept the error: later submissions are refused with it, and drain()
-    # (what Trainer.flush calls with wait="stream") raises it too
+    # the worker kept the error: later submissions are refused with it
     with pytest.raises(CollectiveError, match="failed earlier"):
         comm.all_gather(x, name="after")
-    with pytest.raises(CollectiveError, match="an earlier collective failed"):
-        comm.drain()
     comm.close()
     with pytest.raises(CollectiveError, match="closed"):
         comm.all_gather(x, name="closed")
 
     # (2) a timed-out collective: rank 0 issues one that no other rank issues
-    ok_comm = CopyEngineCommunicator.create(name="ok", config=cfg, device="cpu")
-    _check_a2a(ok_comm, rank, 23, _splits(23, world, 5), name="fine")
-    ok_comm.drain()  # nothing failed: returns
-    ok_comm.close()
     comm_t = CopyEngineCommunicator.create(
-        name="lonely", config=CopyEngineConfig(timeout_s=1.0, wait=wait), device="cpu"
+        name="lonely", config=CopyEngineConfig(timeout_s=1.0), device="cpu"
     )
     if rank == 0:
         h = comm_t.all_gather(torch.ones(3), name="lonely")
@@ -569,19 +523,18 @@ def ce_error_suite(rank: int, world: int, wait: str = "host") -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "world,completion,handshake,wait",
+    "world,completion,handshake",
     [
-        (2, "host", "shm", "auto"),
-        (4, "host", "shm", "auto"),
-        (2, "device", "shm", "stream"),
-        (4, "device", "shm", "auto"),
-        (4, "host", "shm", "stream"),
-        (2, "device", "gloo", "auto"),
-        (4, "host", "gloo", "auto"),
+        (2, "host", "shm"),
+        (4, "host", "shm"),
+        (2, "device", "shm"),
+        (4, "device", "shm"),
+        (2, "device", "gloo"),
+        (4, "host", "gloo"),
     ],
 )
 def test_copy_engine_protocol_on_cpu_ranks(
-    world: int, completion: str, handshake: str, wait: str, request
+    world: int, completion: str, handshake: str, request
 ) -> None:
     """The whole protocol (random splits and dtypes, empty and large messages, views,
     FIFO depth, byte counts) against the reference, with each handshake: the
@@ -591,13 +544,8 @@ def test_copy_engine_protocol_on_cpu_ranks(
         pytest.skip(f"shared-memory handshake unavailable here: {shm_available()[1]}")
     pool = request.getfixturevalue(f"pool{world}")
     big_rows = 60_000 if world == 2 else 40_000  # 8 floats per row: MBs per rank
-    res = pool.run(ce_suite, big_rows, completion, handshake, wait)
+    res = pool.run(ce_suite, big_rows, completion, handshake)
     assert all(r["handshake"] == handshake for r in res)
-    # wait="stream" on CPU ranks: the gate protocol with the host-emulated gate
-    # (comm/stream_gate.HostGate): every contiguous collective went through it
-    assert all(r["wait_mode"] == ("stream" if wait == "stream" else "host") for r in res)
-    if wait == "stream":
-        assert all(r["gate_waits"] > 30 and r["gate_writes"] >= r["gate_waits"] for r in res)
     # two handshakes per data collective (header, completion flag) went through shm
     assert all((r["shm_exchanges"] > 2 * 30) == (handshake == "shm") for r in res)
     assert len({r["seq"] for r in res}) == 1  # every rank issued the same sequence
@@ -609,45 +557,8 @@ def test_copy_engine_protocol_on_cpu_ranks(
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("wait", ["host", "stream"])
-def test_copy_engine_errors_on_cpu_ranks(pool2, wait: str) -> None:
-    """Failures raise at ``wait()`` with the collective and the ranks, with the host wait
-    and through the gate (which a failure opens: nothing waits forever)."""
-    assert pool2.run(ce_error_suite, wait) == ["ok", "ok"]
-
-
-def ce_gate_mutant_suite(rank: int, world: int) -> dict:
-    """wait="stream" with the worker held 0.3 s before its copies: the gated result is
-    right; the mutants that gate on the previous collective or not at all hand out the
-    output before the copies land, which the comparison must see."""
-    torch.set_num_threads(1)
-    seen = {}
-    for mutation in (None, "early_gate", "skip_gate_wait"):
-        cfg = CopyEngineConfig(initial_buffer_bytes=4096, timeout_s=30, wait="stream")
-        comm = CopyEngineCommunicator.create(name=f"gate_{mutation}", config=cfg, device="cpu")
-        comm._mutation = mutation
-        comm._test_delay_s = 0.3
-        bad = 0
-        for i in range(3):
-            S = _splits(500 + i, world, 40)
-            S = [[v + 1 for v in row] for row in S]  # every segment non-empty
-            x = _input(500 + i, rank, sum(S[rank]), (8,), torch.float32)
-            got = comm.all_to_all_v(x, S[rank], [S[s][rank] for s in range(world)]).wait()
-            want = _expected_a2a(500 + i, S, rank, (8,), torch.float32)
-            bad += not torch.equal(got.clone(), want)
-        comm.barrier()
-        seen[str(mutation)] = bad
-        comm.close()
-    return seen
-
-
-@pytest.mark.timeout(200)
-def test_copy_engine_gate_mutants_are_caught(pool2) -> None:
-    """The gate's ordering is what makes ``wait="stream"`` correct: without it (or one
-    collective early) the result is read before the worker copied it."""
-    for r in pool2.run(ce_gate_mutant_suite):
-        assert r["None"] == 0, r
-        assert r["early_gate"] > 0 and r["skip_gate_wait"] > 0, r
+def test_copy_engine_errors_on_cpu_ranks(pool2) -> None:
+    assert pool2.run(ce_error_suite) == ["ok", "ok"]
 
 
 # ======================================================== CUDA (GPU machine only)

@@ -118,15 +118,6 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "$FREESCALE_COPY_ENGINE_HANDSHAKE, else shm where available. Bit-identical",
     )
     p.add_argument(
-        "--smfree-wait",
-        choices=["auto", "host", "stream"],
-        default="auto",
-        help="what an SM-free collective's wait() does (copy engine, host-staged): host "
-        "(block until the backend's worker issued the last copies) or stream (gate the "
-        "current stream on a flag the worker writes behind them); auto = "
-        "$FREESCALE_SMFREE_WAIT, else host. Bit-identical",
-    )
-    p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
         default=None,
@@ -295,7 +286,6 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
         copy_engine_handshake=getattr(args, "copy_engine_handshake", "auto"),
-        smfree_wait=getattr(args, "smfree_wait", "auto"),
         early_prepare=not getattr(args, "late_prepare", False),
         gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
@@ -425,11 +415,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     if sf:
         notes = f" ({'; '.join(sf['notes'])})" if sf.get("notes") else ""
         proto = (
-            f"completion {sf['completion']}, handshake {sf['handshake']}, "
+            f": completion {sf['completion']}, handshake {sf['handshake']}"
             if sf["backend"] == "copy_engine"
             else ""
         )
-        print(f"{sf['backend']} (overlapped traffic): {proto}wait {sf['wait_mode']}{notes}")
+        print(f"{sf['backend']} (overlapped traffic){proto}{notes}")
     dt = (s.get("data_thread") or {}).get("timing")
     if dt and dt.get("prepared"):
         print(

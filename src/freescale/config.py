@@ -162,12 +162,6 @@ class TrainConfig:
     # file for the host's ranks, comm/shm_exchange.py), "gloo" (two gloo collectives per
     # call); "auto" = $FREESCALE_COPY_ENGINE_HANDSHAKE, else shm where available. Same bits
     copy_engine_handshake: Literal["auto", "shm", "gloo"] = "auto"
-    # what an SM-free collective's wait() does (comm.CopyEngineConfig.wait,
-    # comm.HostStagedConfig.wait): "host" = block until the backend's worker issued the
-    # last copies; "stream" = gate the current stream on a flag the worker writes behind
-    # them (no host block on the peers or the transfer); "auto" = $FREESCALE_SMFREE_WAIT,
-    # else host. Same bits
-    smfree_wait: Literal["auto", "host", "stream"] = "auto"
     # per-stage timing: "sync" synchronises the device at every stage boundary (exact
     # stage times, but no overlap across stages); "events" records CUDA events instead
     # and reads them one step later (no host sync on the compute stream for timing; the
@@ -239,8 +233,6 @@ class TrainConfig:
                 "copy_engine_handshake must be auto | shm | gloo, "
                 f"got {self.copy_engine_handshake!r}"
             )
-        if self.smfree_wait not in ("auto", "host", "stream"):
-            raise ValueError(f"smfree_wait must be auto | host | stream, got {self.smfree_wait!r}")
         if self.profile_steps < 0:
             raise ValueError("profile_steps must be >= 0")
         if self.profile_activities not in ("auto", "cpu_cuda", "cuda"):

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 __all__ = [
     "Awaitable",
-    "GatedAwaitable",
     "Done",
     "CommStats",
     "Communicator",
@@ -167,43 +166,6 @@ class Awaitable(Generic[T]):
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)  # type: ignore[attr-defined]
-
-
-class GatedAwaitable(Awaitable[T]):
-    """Handle of an SM-free collective in ``wait="stream"`` mode (copy engine,
-    host-staged): ``finish`` gates the current stream on the backend's flag (a device
-    wait, comm/stream_gate.py) and returns the output allocated at issue, so ``wait()``
-    does not block on the backend's worker. A failure the worker already met is raised;
-    a host gate (CPU tensors) returns once the collective completed or a failure opened
-    it, so its failure is raised here too; a later failure behind a stream gate surfaces
-    at the next call on the communicator or its ``drain()``. ``works`` is the worker's
-    job (``is_completed()``, ``error``)."""
-
-    def _raise_if_failed(self) -> None:
-        job = self._works[0]
-        err = job.error if job.is_completed() else None  # type: ignore[attr-defined]
-        if err is not None:
-            if on_error is not None:  # the fault monitor names the step and stage
-                raise on_error(self, err) from err
-            raise CollectiveError(f"{self._describe} failed: {err}") from err
-
-    def wait(self) -> T:
-        if not self._done:
-            t0 = time.perf_counter()
-            self._raise_if_failed()
-            try:
-                self._result = self._finish()
-            except TimeoutError as e:
-                if on_error is not None:
-                    raise on_error(self, e) from e
-                raise CollectiveError(f"{self._describe} failed: {e}") from e
-            self._raise_if_failed()
-            self._done = True
-            wait_clock.add(
-                f"{threading.current_thread().name}|{self._backend or '?'}:{self._name}",
-                time.perf_counter() - t0,
-            )
-        return self._result  # type: ignore[return-value]
 
 
 class Done(Awaitable[T]):

@@ -44,19 +44,7 @@ How one all-to-all-v runs (every rank, same order):
    segments = views into the receive buffer), valid until the buffer is reused — see
    :meth:`CopyEngineCommunicator.all_to_all_v_segments`.
 8. ``wait()`` blocks until the worker finished issuing, then makes the *current* stream
-   wait on the job's final event (no host synchronisation with the device). With
-   ``CopyEngineConfig.wait="stream"`` (CUDA, device completion) the contiguous
-   collectives (``all_to_all_v``, ``all_gather``) do not block at all: ``wait()``
-   enqueues "wait until this communicator's flag reaches k" on the current stream
-   (:class:`~freescale.comm.stream_gate.StreamGate`, CUDA stream memory operations) and
-   returns the output allocated in step 1; the worker writes k on its copy stream behind
-   collective k's last copy. The caller's thread then never waits for the peers' workers
-   (a late peer stalls only the stream). A failure in the worker then surfaces at the
-   next call on the communicator or at :meth:`CopyEngineCommunicator.drain` (which
-   ``Trainer.flush`` calls; the gate is opened so that no stream waits forever):
-   the stream may have consumed incomplete data by then, so the run must end there —
-   the error propagates and no checkpoint follows. Views (``*_segments``,
-   ``views=True``) keep the host wait: their tensors come from the worker's plan.
+   wait on the job's final event (no host synchronisation with the device).
 
 Completion (``CopyEngineConfig.completion``; ``auto`` = ``device`` unless
 FREESCALE_COPY_ENGINE_COMPLETION says otherwise). With ``host`` the worker waits on the
@@ -106,23 +94,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, GatedAwaitable
-from freescale.comm.host_staged import (
-    _STOP,
-    HostStagedCommunicator,
-    HostStagedConfig,
-    _Job,
-    drain_queue,
-)
+from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done
+from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
 from freescale.comm.shm_exchange import ShmExchange, ShmUnavailable
 from freescale.comm.shm_exchange import available as shm_available
-from freescale.comm.stream_gate import (
-    WAIT_ENV,  # noqa: F401 - re-exported (tests, docs)
-    HostGate,
-    StreamGate,
-    gate_available,
-    resolve_wait,
-)
 
 __all__ = [
     "CopyEngineConfig",
@@ -420,15 +395,6 @@ class CopyEngineConfig:
       the dev box); ``auto`` = ``shm`` where the protocol is available (x86-64), else
       ``gloo``, and ``gloo`` if setting it up fails on any rank (said in
       :attr:`CopyEngineCommunicator.handshake_note`).
-    * ``wait``: what the caller's ``wait()`` of a contiguous collective does: ``host`` =
-      block until the worker has issued the copies, then a stream wait on their event;
-      ``stream`` = return at once with the current stream gated on a device flag the
-      worker writes behind the copies (CUDA with device completion only; elsewhere, or
-      where the driver's stream memory operations fail their self-test, ``host`` with
-      the reason in :attr:`CopyEngineCommunicator.wait_note`); ``auto`` = the
-      ``FREESCALE_SMFREE_WAIT`` variable if set, else ``host`` (``stream`` is
-      opt-in until measured on GPUs). Same bytes either way; the rank-local choice
-      needs no agreement (the gate is local to the rank).
     """
 
     peer_memory: str = "auto"
@@ -440,11 +406,8 @@ class CopyEngineConfig:
     timeout_s: float = 300.0
     completion: str = "auto"
     handshake: str = "auto"
-    wait: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.wait not in ("auto", "host", "stream"):
-            raise ValueError(f"wait must be auto, host or stream, got {self.wait!r}")
         if self.handshake not in ("auto", "shm", "gloo"):
             raise ValueError(f"handshake must be auto, shm or gloo, got {self.handshake!r}")
         if self.completion not in _COMPLETION:
@@ -475,10 +438,6 @@ class CopyEngineConfig:
         if env in ("shm", "gloo"):
             return env
         raise ValueError(f"{HANDSHAKE_ENV}={env!r}: use shm, gloo or auto")
-
-    def resolved_wait(self) -> str:
-        """``host`` or ``stream`` (``auto`` resolved through the environment)."""
-        return resolve_wait(self.wait)
 
     def resolved_completion(self) -> str:
         """``host`` or ``device`` (``auto`` resolved through the environment)."""
@@ -832,15 +791,9 @@ class CopyEngineCommunicator(Communicator):
         self.handshake = "gloo"  # in force once the worker ran its first handshake
         self.handshake_note = ""
         self._xchg: ShmExchange | None = None
-        self.wait_mode = "host"  # "stream" once the gate is set up (config.wait)
-        self.wait_note = ""
-        self._gate: StreamGate | HostGate | None = None
         # a deliberate bug for the GPU check to catch (benchmarks/gpu_check_comm.py):
-        # "skip_sent_wait" copies out of the receive buffer without waiting for the peers;
-        # "skip_gate_wait" returns a wait="stream" result without gating the stream;
-        # "early_gate" gates it on the previous collective only
+        # "skip_sent_wait" copies out of the receive buffer without waiting for the peers
         self._mutation: str | None = None
-        self._test_delay_s = 0.0  # tests: the worker sleeps this long before its copies
         self.peak_buffer_bytes = 0
         self._thread: threading.Thread | None = None
         if self.device.type not in ("cpu", "cuda"):
@@ -875,8 +828,6 @@ class CopyEngineCommunicator(Communicator):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._token = uuid.uuid4().hex[:12]
         self._xchg = self._setup_handshake()  # collective, before the worker uses the group
-        if self.config.resolved_wait() == "stream":
-            self._setup_gate()  # rank-local: no agreement needed
         self._thread = threading.Thread(
             target=self._loop, name=f"freescale-copy-engine-{self.rank}", daemon=True
         )
@@ -962,15 +913,12 @@ class CopyEngineCommunicator(Communicator):
                     result = job.run()
                 except BaseException as e:  # kept, re-raised at wait()
                     self._error = e
-                    self._open_gate()
                     job.finish(error=e)
                 else:
                     job.finish(result)
         except BaseException as e:  # the loop itself broke
             self._error = self._error or RuntimeError(f"copy-engine worker died: {e!r}")
         finally:
-            if self._error is not None:
-                self._open_gate()
             err = self._error or RuntimeError("the communicator was closed")
             while True:  # nothing queued is left waiting forever
                 try:
@@ -1033,34 +981,6 @@ class CopyEngineCommunicator(Communicator):
             return None
         self.handshake = "shm"
         return xchg
-
-    def _setup_gate(self) -> None:
-        """``wait="stream"``: the device flag the worker writes behind each collective,
-        or the host wait with the reason in :attr:`wait_note`."""
-        if self.device.type != "cuda":  # CPU tensors: the same protocol on the host
-            # longer than the worker's own limits: its failure opens the gate first
-            self._gate = HostGate(4 * self.config.timeout_s + 5.0)
-            self.wait_mode = "stream"
-            self.wait_note = "CPU tensors: the gate is emulated on the host (HostGate)"
-            return
-        ok, why = gate_available(self.device)
-        if not ok:
-            self.wait_note = f"stream gate unavailable, the host wait is used: {why}"
-            warnings.warn(f"copy engine {self.name}: {self.wait_note}", stacklevel=3)
-            return
-        self._gate = StreamGate(self.device)
-        self.wait_mode = "stream"
-
-    def _open_gate(self) -> None:
-        """After a failure: no stream may wait forever for a collective that will not
-        complete (every wait enqueued so far, and later ones, pass)."""
-        if self._gate is not None:
-            try:
-                self._gate.release(self._seq + (1 << 30))
-            except Exception as e:  # noqa: BLE001 - the original error is what matters
-                warnings.warn(
-                    f"copy engine {self.name}: opening the gate failed: {e}", stacklevel=2
-                )
 
     def _gather_header(self, hdr: list[int], what: str) -> torch.Tensor:
         if self._xchg is not None:
@@ -1220,8 +1140,8 @@ class CopyEngineCommunicator(Communicator):
         ``out`` (flat bytes) receives the contiguous result unless ``views``."""
         describe = self._describe(op_name, name)
         self._check_open(op_name, name)
-        # sequence order = queue order, even with several issuing threads (the stream
-        # gate's values rely on it); released once the job is queued
+        # sequence order = queue order, even with several issuing threads; released
+        # once the job is queued
         self._issue_lock.acquire()
         try:
             with self._lock:
@@ -1271,8 +1191,6 @@ class CopyEngineCommunicator(Communicator):
                 if sig is not None:  # every peer's buffer is free (its record, see above)
                     for ev in sig.peers("free", idx):
                         copier.wait_event(ev)
-                if self._test_delay_s:
-                    time.sleep(self._test_delay_s)
                 peers = slot.peers
                 k = 0
                 for p, s_off, d_off, n in plan.pushes:
@@ -1311,8 +1229,6 @@ class CopyEngineCommunicator(Communicator):
                     copier.copy(out[a : a + m], slot.local[a : a + m], 0)
             copier.join()
             done = copier.record(0)
-            if self._gate is not None:  # behind every copy of this collective
-                self._gate.write(getattr(copier, "streams", [None])[0], seq + 1)
             slot.free_events = [done] if not views else []
             box["done"] = done
             return make_result(plan, slot)
@@ -1322,21 +1238,6 @@ class CopyEngineCommunicator(Communicator):
             self._submit(job)
         finally:
             self._issue_lock.release()
-        gate = self._gate
-        if gate is not None and not views:
-            result_now = make_result(None, None)  # type: ignore[arg-type]  # preallocated
-
-            def finish_gated() -> Any:
-                stream = (
-                    torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-                )
-                if self._mutation == "early_gate":  # waits for the previous collective only
-                    gate.wait(stream, seq)
-                elif self._mutation != "skip_gate_wait":
-                    gate.wait(stream, seq + 1)
-                return result_now
-
-            return GatedAwaitable([job], finish_gated, name, describe, "copy_engine")
 
         def finish() -> Any:
             ev = box.get("done")
@@ -1519,16 +1420,6 @@ class CopyEngineCommunicator(Communicator):
         self._submit(job)
         res = Awaitable([job], lambda: job.result, name, describe, "copy_engine").wait()
         return res.reshape(counts.shape).to(counts.device, counts.dtype)
-
-    def drain(self, name: str = "drain") -> None:
-        """Block until every collective queued so far has run on the worker, and raise
-        the first failure (a :class:`CollectiveError` naming it). Rank-local (no
-        collective). With ``wait="stream"``, ``wait()`` does not see a failure that comes
-        after it; this is where it surfaces at the latest (``Trainer.flush`` calls it
-        before evaluations, checkpoints and the end)."""
-        if self.world_size == 1 or self._thread is None:
-            return
-        drain_queue(self._submit, lambda: self._error, self._describe("drain", name))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""

@@ -21,12 +21,7 @@ How one collective runs:
    whose host-to-device copies overlap the transfer of round k+1.
 3. ``wait()`` (caller thread): blocks until the worker finished the transfers, then
    makes the *current* stream wait on the job's final copy event (no host sync with
-   the device) and returns the output. With ``HostStagedConfig.wait="stream"`` it does
-   not block: the current stream is gated on a flag that the worker writes behind the
-   job's last host-to-device copy (:mod:`freescale.comm.stream_gate`; on CPU tensors
-   the same protocol on the host), and the output allocated in step 1 is returned; a
-   failure then surfaces at the next call or at :meth:`HostStagedCommunicator.drain`,
-   and the worker opens the gate when it fails (no stream waits forever).
+   the device) and returns the output.
 
 CPU tensors go straight to gloo without copies (``stage_host_tensors=True`` routes them
 through the staging pool anyway, which is how the CPU tests exercise the pipeline).
@@ -54,8 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done, GatedAwaitable
-from freescale.comm.stream_gate import HostGate, StreamGate, gate_available, resolve_wait
+from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done
 
 __all__ = ["HostStagedConfig", "HostStagedCommunicator", "PinnedBufferPool"]
 
@@ -73,11 +67,6 @@ class HostStagedConfig:
     * ``timeout_s``: limit for each gloo operation; a timeout fails the collective.
     * ``stage_host_tensors``: copy CPU tensors through the staging pool too (tests and
       benchmarks); by default CPU tensors are sent as they are.
-    * ``wait``: ``host`` = ``wait()`` blocks until the worker finished the transfer;
-      ``stream`` = it gates the current stream on a flag the worker writes behind the
-      last copy and returns at once (module doc, step 3; where a CUDA device's gate is
-      unavailable, that device keeps the host wait); ``auto`` = ``$FREESCALE_SMFREE_WAIT``,
-      else ``host``. Same bytes either way.
     """
 
     chunk_bytes: int = 4 << 20
@@ -85,15 +74,8 @@ class HostStagedConfig:
     prefetch_rounds: int = 2
     timeout_s: float = 300.0
     stage_host_tensors: bool = False
-    wait: str = "auto"
-
-    def resolved_wait(self) -> str:
-        """``host`` or ``stream`` (``auto`` resolved through the environment)."""
-        return resolve_wait(self.wait)
 
     def __post_init__(self) -> None:
-        if self.wait not in ("auto", "host", "stream"):
-            raise ValueError(f"wait must be auto, host or stream, got {self.wait!r}")
         if self.chunk_bytes < _ALIGN:
             raise ValueError(f"chunk_bytes must be >= {_ALIGN}, got {self.chunk_bytes}")
         if self.max_pinned_bytes < 2 * _ALIGN:
@@ -271,26 +253,6 @@ class _Job:
 _STOP = object()
 
 
-def drain_queue(
-    submit: Callable[[_Job], None] | None,
-    error: Callable[[], BaseException | None],
-    describe: str,
-) -> None:
-    """Queue a no-op behind every job a FIFO worker holds, wait for it, and raise the
-    worker's first failure (``error()``) as a :class:`CollectiveError`; ``submit=None``:
-    the worker stopped, only the failure is checked. The SM-free backends' ``drain()``."""
-    if submit is not None and error() is None:
-        job = _Job(lambda: None, describe)
-        submit(job)
-        try:
-            job.wait()
-        except BaseException:  # noqa: BLE001 - the worker's own error is the message
-            pass
-    err = error()
-    if err is not None:
-        raise CollectiveError(f"{describe}: an earlier collective failed: {err}") from err
-
-
 class _GroupWorker:
     """The FIFO worker thread of one gloo group, with its pool and copy streams."""
 
@@ -314,12 +276,6 @@ class _GroupWorker:
         # blocks whose host-to-device copies may still run: (event, pool, blocks)
         self._unstaging: deque[tuple[Any, PinnedBufferPool, list[torch.Tensor]]] = deque()
         self._stopped = False
-        # stream gates (wait="stream"), one per device: the flag, the last value handed
-        # out; values are handed out in queue order (submit_gated)
-        self._gates: dict[Any, StreamGate | HostGate | None] = {}
-        self._gate_issued: dict[Any, int] = {}
-        self._gate_lock = threading.Lock()
-        self.gate_notes: dict[str, str] = {}
         self._thread = threading.Thread(
             target=self._loop, name=f"freescale-host-staged-{rank}", daemon=True
         )
@@ -346,41 +302,6 @@ class _GroupWorker:
                 self.pool.block_bytes, self.cfg.max_pinned_bytes, pin=False
             )
         return self._host_pool
-
-    def gate(self, device: torch.device) -> StreamGate | HostGate | None:
-        """The flag of ``device`` (made on first use), or None where CUDA stream gates
-        are unavailable (the reason in :attr:`gate_notes`)."""
-        key = str(device)
-        with self._gate_lock:
-            if key not in self._gates:
-                if device.type == "cuda":
-                    ok, why = gate_available(device)
-                    self._gates[key] = StreamGate(device) if ok else None
-                    if not ok:
-                        self.gate_notes[key] = why
-                else:  # longer than the worker's own limits: its failure opens it first
-                    self._gates[key] = HostGate(4 * self.cfg.timeout_s + 5.0)
-                self._gate_issued[key] = 0
-            return self._gates[key]
-
-    def submit_gated(self, job: _Job, device: torch.device, box: dict[str, Any]) -> None:
-        """Queue ``job`` and hand it the next value of ``device``'s flag
-        (``box["gate_value"]``), atomically: values follow the queue order."""
-        key = str(device)
-        with self._gate_lock:
-            self._gate_issued[key] += 1
-            box["gate_value"] = self._gate_issued[key]
-            self.submit(job)
-
-    def open_gates(self) -> None:
-        """After a failure: every wait on any flag passes (no stream waits forever)."""
-        with self._gate_lock:
-            for key, g in self._gates.items():
-                if g is not None:
-                    try:
-                        g.release(self._gate_issued[key] + (1 << 30))
-                    except Exception as e:  # noqa: BLE001 - the failure itself matters
-                        warnings.warn(f"host-staged: opening the gate failed: {e}", stacklevel=2)
 
     def submit(self, job: _Job) -> None:
         if self.error is not None:
@@ -411,7 +332,6 @@ class _GroupWorker:
                     result = job.run()
                 except BaseException as e:  # kept, re-raised at wait()
                     self.error = e
-                    self.open_gates()
                     job.finish(error=e)
                 else:
                     job.finish(result)
@@ -419,8 +339,6 @@ class _GroupWorker:
             self.error = self.error or RuntimeError(f"host-staged worker died: {e!r}")
         finally:
             self._stopped = True
-            if self.error is not None:
-                self.open_gates()
             err = self.error or RuntimeError("the communicator was closed")
             while True:  # nothing queued is left waiting forever
                 try:
@@ -540,10 +458,6 @@ class HostStagedCommunicator(Communicator):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._worker: _GroupWorker | None = None
         self._closed = False
-        # wait="stream": the caller's stream is gated instead of its thread blocked
-        self.wait_mode = self.config.resolved_wait()
-        self._mutation: str | None = None  # "skip_gate_wait": the tests' deliberate bug
-        self._test_delay_s = 0.0  # tests: the worker sleeps this long before a transfer
         self.ranks: list[int] = [0]
         if not (dist.is_available() and dist.is_initialized()):
             self.backend_name = "host_staged"
@@ -658,8 +572,6 @@ class HostStagedCommunicator(Communicator):
                 src.record_stream(stream)
                 dst.record_stream(stream)
         done_box: list[Any] = [None]
-        gate = worker.gate(device) if self.wait_mode == "stream" else None
-        box: dict[str, Any] = {}
 
         def run() -> None:
             if ready is not None:
@@ -669,27 +581,11 @@ class HostStagedCommunicator(Communicator):
                 copier.d2h(dst[d : d + n], src[s : s + n])  # own segment, on-device
             seq = worker.seq
             worker.seq += 1
-            if self._test_delay_s:
-                time.sleep(self._test_delay_s)
             worker.run_rounds(plan, transfer_factory(seq), src, dst, staged, copier, pool)
             done_box[0] = copier.record_done()
-            if gate is not None:  # behind the last host-to-device copy
-                gate.write(getattr(copier, "h2d_stream", None), box["gate_value"])
 
         job = _Job(run, describe)
-        if gate is None:
-            worker.submit(job)
-        else:
-            worker.submit_gated(job, device, box)
-            out = result()  # preallocated: nothing of it comes from the worker
-
-            def finish_gated() -> Any:
-                stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-                if self._mutation != "skip_gate_wait":
-                    gate.wait(stream, box["gate_value"])
-                return out
-
-            return GatedAwaitable([job], finish_gated, name, describe, "host_staged")
+        worker.submit(job)
 
         def finish() -> Any:
             event = done_box[0]
@@ -856,23 +752,6 @@ class HostStagedCommunicator(Communicator):
             flat.reshape(-1), [per] * self.world_size, [per] * self.world_size, name
         ).wait()
         return out.reshape(counts.shape)
-
-    @property
-    def wait_note(self) -> str:
-        """Why a device keeps the host wait despite ``wait="stream"`` (else empty)."""
-        notes = self._worker.gate_notes if self._worker is not None else {}
-        return "; ".join(f"{d}: stream gate unavailable: {why}" for d, why in notes.items())
-
-    def drain(self, name: str = "drain") -> None:
-        """Block until every collective queued so far on this group ran, and raise the
-        first failure (a :class:`CollectiveError` naming it). Rank-local. With
-        ``wait="stream"`` this is where a failure after ``wait()`` surfaces at the latest
-        (``Trainer.flush`` calls it)."""
-        if self.world_size == 1 or self._worker is None:
-            return
-        worker = self._worker
-        submit = None if worker._stopped else worker.submit
-        drain_queue(submit, lambda: worker.error, self._describe("drain", name))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = ""

@@ -45,9 +45,7 @@ variant with its host threads pinned by role (``TrainConfig.pin_threads``,
 :mod:`~freescale.pipeline.placement`: do the launch threads need a core of their own?
 same bits); ``freescale_gloo_handshake``: freescale with the copy engine's
 per-collective handshakes on gloo instead of the shared-memory exchange
-(``TrainConfig.copy_engine_handshake``; same bits); ``freescale_stream_wait``:
-freescale with the copy engine's ``wait()`` as a device-side gate instead of a host
-block (``TrainConfig.smfree_wait="stream"``; same bits). Every variant runs the GIL probe
+(``TrainConfig.copy_engine_handshake``; same bits). Every variant runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -118,7 +116,6 @@ DIAGNOSTIC_VARIANTS = (
     "vanilla_pinned",
     "freescale_pinned",
     "freescale_gloo_handshake",
-    "freescale_stream_wait",
 )
 # diagnostic variant -> Python's thread switch interval it sets, ms
 # (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
@@ -153,7 +150,6 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_pinned": ("vanilla", None),
     "freescale_pinned": ("prioritized", "fbs"),
     "freescale_gloo_handshake": ("prioritized", "fbs"),
-    "freescale_stream_wait": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -236,7 +232,6 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         copy_engine_handshake="gloo"
         if variant == "freescale_gloo_handshake"
         else base.copy_engine_handshake,
-        smfree_wait="stream" if variant == "freescale_stream_wait" else base.smfree_wait,
     )
 
 
@@ -293,7 +288,6 @@ def run_variant(
         # the copy engine's completion protocol, when it carried the overlapped traffic
         "copy_engine_completion": getattr(side, "completion", None),
         "copy_engine_handshake": getattr(side, "handshake", None),
-        "smfree_wait": getattr(side, "wait_mode", None),
         "copy_engine_device_completions": int(getattr(side, "device_completions", 0)),
     }
     stage_ms = dict(summary.get("stage_ms", {}))

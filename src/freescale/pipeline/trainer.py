@@ -253,19 +253,16 @@ class Trainer:
         return create_communicator(backend, name=f"overlap-{backend}", config=self.smfree_config())
 
     def smfree_config(self) -> SMFreeConfig:
-        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion,
-        handshake and wait);
+        """The SM-free backends' config from :attr:`cfg` (the copy engine's completion and
+        handshake);
         used for the overlapped traffic and by hooks that make SM-free communicators."""
-        from ..comm import CopyEngineConfig, HostStagedConfig, SMFreeConfig
+        from ..comm import CopyEngineConfig, SMFreeConfig
 
         cfg = self.cfg
         return SMFreeConfig(
             copy_engine=CopyEngineConfig(
-                completion=cfg.copy_engine_completion,
-                handshake=cfg.copy_engine_handshake,
-                wait=cfg.smfree_wait,
-            ),
-            host_staged=HostStagedConfig(wait=cfg.smfree_wait),
+                completion=cfg.copy_engine_completion, handshake=cfg.copy_engine_handshake
+            )
         )
 
     def comm_bytes_by_backend(self) -> dict[str, int]:
@@ -565,10 +562,6 @@ class Trainer:
         flush = getattr(self.sparse, "flush", None)
         if flush is not None:
             flush()
-        side = getattr(self.sparse, "side_comm", None)
-        if getattr(side, "wait_mode", None) == "stream":
-            # its wait() does not see a failure after it: every collective ran, or raise
-            side.drain()
         tally = getattr(self.sparse, "tally", None)
         if tally is not None:
             tally.settle()  # device-side row counts into the stats (waits for them)
@@ -912,7 +905,7 @@ class Trainer:
             ),
             "comm_bytes_by_backend": self.comm_bytes_by_backend(),
             # the SM-free protocol in force, when an SM-free backend carries the
-            # overlapped traffic (copy engine: completion, handshake; both: wait mode)
+            # overlapped traffic (copy engine: completion, handshake)
             "smfree": _smfree_protocol(getattr(self.sparse, "side_comm", None)),
             **ev,
         }
@@ -1093,14 +1086,14 @@ def summary_to_json(summary: dict[str, Any], cfg: TrainConfig) -> str:
 
 
 def _smfree_protocol(comm: Any) -> dict[str, Any] | None:
-    """Backend, wait mode and (copy engine) completion and handshake of an SM-free
-    communicator, with the notes of any fallback; None for other communicators."""
+    """Backend and (copy engine) completion and handshake of an SM-free communicator,
+    with the notes of any fallback; None for other communicators."""
     backend = getattr(comm, "backend_name", None)
     if backend not in ("copy_engine", "host_staged"):
         return None
     out = {"backend": backend}
-    out.update({k: getattr(comm, k, None) for k in ("completion", "handshake", "wait_mode")})
-    notes = [getattr(comm, k, "") for k in ("completion_note", "handshake_note", "wait_note")]
+    out.update({k: getattr(comm, k, None) for k in ("completion", "handshake")})
+    notes = [getattr(comm, k, "") for k in ("completion_note", "handshake_note")]
     out["notes"] = [n for n in notes if n]
     return out
 
