@@ -271,7 +271,8 @@ def _e2e_repeats(rank, world, cfg, variants, repeats):
 
 
 def test_repeated_passes_replay_the_numerics(pool2, tmp_path):
-    """``repeats=2``: the variant list twice (A B A B); the second pass is in
+    """``repeats=2``: the variant list twice, the second pass reversed (A B, B A: no
+    variant always runs after the others); the second pass is in
     ``repeat_rows`` with ``pass`` 1 and replays the first bit for bit (eval NE curve,
     activity counters); the headline has QPS per pass, the ratio per pass and its
     median, and each variant's spread (their values are timings: not asserted)."""
@@ -281,6 +282,9 @@ def test_repeated_passes_replay_the_numerics(pool2, tmp_path):
     first = {r["variant"]: r for r in report["rows"]}
     again = {r["variant"]: r for r in report["repeat_rows"]}
     assert set(first) == set(again) == {"vanilla", "freescale"}
+    assert [r["variant"] for r in report["rows"]] == ["vanilla", "freescale"]
+    assert [r["variant"] for r in report["repeat_rows"]] == ["freescale", "vanilla"]
+    assert [r["position"] for r in report["repeat_rows"]] == [0, 1]
     for name in first:
         assert first[name]["pass"] == 0 and again[name]["pass"] == 1
         assert again[name]["ne_curve"] == first[name]["ne_curve"], name

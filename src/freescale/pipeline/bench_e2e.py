@@ -329,10 +329,13 @@ def run_e2e(
     """Train every variant on the same config (data, seed) in turn; the rows (every
     rank; timings are rank-local, numerics identical on every rank).
 
-    ``repeats`` > 1: the whole variant list again, in the same order, that many times
-    in all (A B A B ...); the first pass gives ``rows``, the others ``repeat_rows``
-    (each row with its ``pass``). Same numerics every pass; the spread of the timings
-    between passes is what a single run's ratio is worth.
+    ``repeats`` > 1: the whole variant list that many times in all, every second pass
+    in reverse order (A B, B A, A B ...): whatever a variant leaves behind in the
+    process (a profiler's CUPTI session, warm caches, allocator state) then falls on
+    each variant in turn, not always on the later ones. The first pass gives ``rows``,
+    the others ``repeat_rows`` (each row with its ``pass`` and its ``position`` in the
+    pass). Same numerics every pass; the spread of the timings between passes is what a
+    single run's ratio is worth.
 
     ``warmup_steps`` > 0: first a discarded vanilla run of that many steps, so that
     one-time costs (compiling the attention kernels for the token-count buckets, CUDA
@@ -361,9 +364,10 @@ def run_e2e(
     rows: list[dict[str, Any]] = []
     extra: list[dict[str, Any]] = []
     for p in range(repeats):
-        for v in variants:
+        order = list(variants) if p % 2 == 0 else list(reversed(variants))
+        for i, v in enumerate(order):
             row = run_variant(rank, world, base_cfg, v, ctx=ctx)
-            row["pass"] = p
+            row["pass"], row["position"] = p, i
             (rows if p == 0 else extra).append(row)
             if on_row is not None:
                 on_row(_result(rank, world, base_cfg, rows, extra))
@@ -1037,7 +1041,8 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=1,
-        help="run the variant list this many times in all (A B A B ...): QPS per pass, "
+        help="run the variant list this many times in all, every second pass reversed "
+        "(A B, B A, ...): QPS per pass, "
         "the freescale / vanilla ratio per pass and its median, each variant's spread",
     )
     p.add_argument(
