@@ -86,6 +86,9 @@ STEPS=${STEPS:-1000}
 BASE_STEPS=${BASE_STEPS:-300}
 # E2E_ARGS: extra flags for every bench e2e call (e.g. "--copy-engine-completion device")
 E2E="python -m freescale.cli bench e2e --zipf-s 0.6 ${E2E_ARGS:-}"
+# the headline runs (main, ablate: merged, so one config) without the GIL probe thread: one
+# moving part less; the diagnostic phases keep it (session 12, BENCHMARKS.md e2e)
+HEAD="$E2E --gil-probe-ms ${HEAD_GIL_PROBE_MS:-0}"
 case "${1:-}" in
 first)
   bash "$0" verify
@@ -179,10 +182,14 @@ smoke)
   echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
   ;;
 main)
-  timeout 570 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
+  timeout 570 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
     --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_shuffled sdd freescale \
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
+  # CUPTI released after each profiled window? (Trainer sets TEARDOWN_CUPTI=1, dbde1b3)
+  python -c "import json,sys; [print(r['variant'], round(r['qps']), 'cupti_teardown', \
+(r.get('gpu_accounting') or {}).get('cupti_teardown')) for r in json.load(open(sys.argv[1]))['rows']]" \
+    "$OUT/e2e/e2e.json" || true
   ;;
 update)
   timeout 570 $E2E --out "$OUT/e2e_update" --nproc 2 --steps "$STEPS" \
@@ -384,10 +391,10 @@ hostt)
   done
   ;;
 ablate)
-  CUDA_VISIBLE_DEVICES=0 timeout 200 $E2E --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
+  CUDA_VISIBLE_DEVICES=0 timeout 200 $HEAD --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
   echo "1gpu rc=$?"; tail -22 "$OUT/e2e_1gpu.log"
-  timeout 380 $E2E --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs freescale_nccl_overlap \
+  timeout 380 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs freescale_nccl_overlap \
     --merge "${MERGE:?set MERGE to the main e2e.json}" --baseline "$OUT/e2e_1gpu/e2e.json" \
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
