@@ -68,6 +68,38 @@ def test_meter_attributes_cpu_time_to_the_right_threads() -> None:
     assert meter.stop(steps=10) is None  # one stop per start
 
 
+def test_meter_lists_the_busiest_threads_of_no_known_role() -> None:
+    """A thread of no FreeScale role (a library's, e.g. an OpenMP worker) that spins
+    0.3 s inside the window is listed first under ``other_threads_top`` with its kernel
+    name and ms per step, marked as created inside the window; an idle one is not."""
+    meter = ThreadCpuMeter()
+    go, done, release = threading.Event(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        go.wait()
+        _spin(0.3)
+        done.set()
+        release.wait()
+
+    idle = threading.Thread(target=release.wait, name="Thread-idle")
+    idle.start()
+    meter.start()
+    th = threading.Thread(target=work, name="Thread-busy")
+    th.start()
+    go.set()
+    assert done.wait(timeout=30)
+    out = meter.stop(steps=10)
+    release.set()
+    th.join()
+    idle.join()
+    assert out is not None
+    top = out["other_threads_top"]
+    assert top and top[0]["tid"] == th.native_id, top
+    assert top[0]["ms_per_step"] == pytest.approx(30.0, abs=5.0) and top[0]["new"]
+    assert isinstance(top[0]["kernel_name"], str)
+    assert idle.native_id not in {t["tid"] for t in top}
+
+
 def test_a_thread_that_exits_inside_the_window_counts_if_it_says_so() -> None:
     """The data stage and the loader call note_thread_exit as they end: their CPU time
     stays in the window; a thread that does not is lost with its /proc entry."""

@@ -41,6 +41,7 @@ _TASKS = "/proc/self/task"
 # that ends inside a window takes its /proc entry with it
 _EXITED: dict[int, tuple[str, float]] = {}
 _EXITED_LOCK = threading.Lock()
+_TOP_OTHER = 6  # busiest "other" threads listed per window
 
 
 def note_thread_exit() -> None:
@@ -140,6 +141,7 @@ class ThreadCpuMeter:
             return None
         names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
         groups: dict[str, float] = {}
+        other: list[tuple[float, int, str, bool]] = []  # (cpu s, tid, kernel name, new)
         with _EXITED_LOCK:
             exited = {t: _EXITED.pop(t) for t in list(_EXITED) if t in a.threads}
         for tid, (kname, cpu) in b.threads.items():
@@ -148,6 +150,8 @@ class ThreadCpuMeter:
             prev = a.threads.get(tid, (kname, 0.0))[1]
             g = thread_group(kname, names.get(tid, ""), False)
             groups[g] = groups.get(g, 0.0) + (cpu - prev)
+            if g == "other" and cpu > prev:
+                other.append((cpu - prev, tid, kname, tid not in a.threads))
         for tid, (pyname, cpu) in exited.items():  # ended inside the window
             if tid not in b.threads:
                 g = thread_group(a.threads[tid][0], pyname, False)
@@ -162,6 +166,12 @@ class ThreadCpuMeter:
             "process_cpu_ms_per_step": process,
             "cpu_over_wall": process / wall if wall > 0 else float("nan"),
             "by_group_ms_per_step": {k: v * per for k, v in sorted(groups.items())},
+            # the busiest threads of no known role (library threads: OpenMP, CUDA, NCCL,
+            # the profiler's): kernel name, ms per step, created inside the window
+            "other_threads_top": [
+                {"tid": tid, "kernel_name": kn, "ms_per_step": c * per, "new": new}
+                for c, tid, kn, new in sorted(other, reverse=True)[:_TOP_OTHER]
+            ],
         }
 
 
