@@ -188,7 +188,8 @@ main)
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   # CUPTI released after each profiled window? (Trainer sets TEARDOWN_CUPTI=1, dbde1b3)
   python -c "import json,sys; [print(r['variant'], round(r['qps']), 'cupti_teardown', \
-(r.get('gpu_accounting') or {}).get('cupti_teardown')) for r in json.load(open(sys.argv[1]))['rows']]" \
+(r.get('gpu_accounting') or {}).get('cupti_teardown'), 'exposed by kind', \
+(r.get('gpu_accounting') or {}).get('exposed_by_kind_ms_this_rank')) for r in json.load(open(sys.argv[1]))['rows']]" \
     "$OUT/e2e/e2e.json" || true
   ;;
 update)

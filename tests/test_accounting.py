@@ -46,9 +46,26 @@ def test_accounting_known_answer(tmp_path):
     assert a["bubble_ms"] == pytest.approx(40e-3 / 2)
     assert a["exposed_comm_ms"] == pytest.approx(20e-3 / 2)  # [30,40] [70,80]
     assert a["other_idle_ms"] == pytest.approx(20e-3 / 2)  # [60,70] [80,90]
+    # per kind: the all-to-all's exposed part [30,40], the all-reduce's [70,80]
+    assert a["exposed_by_kind_ms"] == pytest.approx(
+        {"all_to_all": 10e-3 / 2, "all_reduce": 10e-3 / 2}
+    )
     m = merge_ranks([a, {**a, "bubble_ms": 3 * a["bubble_ms"]}])
     assert m["bubble_ms"] == pytest.approx(2 * a["bubble_ms"])
     assert m["bubble_ms_max"] == pytest.approx(3 * a["bubble_ms"])
+
+
+def test_comm_kind():
+    from freescale.pipeline.accounting import comm_kind
+
+    assert comm_kind({"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL"}) == "all_reduce"
+    assert comm_kind({"name": "ncclDevKernel_SendRecv"}) == "all_to_all"
+    assert comm_kind({"name": "ncclKernel_AllGather_RING_LL_Sum_int8_t"}) == "all_gather"
+    assert comm_kind({"name": "ncclDevKernel_Reduce_Scatter"}) == "reduce_scatter"
+    assert comm_kind({"name": "Memcpy PtoP (Device -> Device)", "cat": "gpu_memcpy"}) == (
+        "peer_copy"
+    )
+    assert comm_kind({"name": "ncclDevKernel_Something"}) == "nccl_other"
 
 
 def test_accounting_without_gpu_activity():

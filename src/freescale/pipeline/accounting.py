@@ -16,6 +16,9 @@ device, every stream):
 * *exposed communication*: communication minus compute — the part of the bubble during
   which a collective is in flight (the compute stream waits for it, or for a straggler
   inside it);
+* *exposed by kind* (``exposed_by_kind_ms``): the same per collective kind
+  (:func:`comm_kind`: all-reduce, all-to-all, all-gather, ..., peer copies), each kind's
+  union minus compute — which collective the compute stream waits for;
 * *other idle*: bubble minus exposed communication (host-bound gaps: launches, host
   syncs, data). Host-to-device and device-to-host copies count as neither compute nor
   communication.
@@ -32,7 +35,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["gpu_accounting", "merge_ranks", "union_length", "interval_union"]
+__all__ = ["gpu_accounting", "merge_ranks", "union_length", "interval_union", "comm_kind"]
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 ACCOUNTING_KEYS = (
@@ -87,6 +90,30 @@ def _is_comm(ev: dict[str, Any]) -> bool:
     return "nccl" in name or (ev.get("cat") == "gpu_memcpy" and "ptop" in name)
 
 
+# NCCL kernel name fragments -> collective kind (all_to_all_single runs SendRecv kernels)
+_KINDS = (
+    ("allreduce", "all_reduce"),
+    ("alltoall", "all_to_all"),
+    ("sendrecv", "all_to_all"),
+    ("allgather", "all_gather"),
+    ("reducescatter", "reduce_scatter"),
+    ("broadcast", "broadcast"),
+)
+
+
+def comm_kind(ev: dict[str, Any]) -> str:
+    """The collective kind of a communication event: ``all_reduce``, ``all_to_all``,
+    ``all_gather``, ``reduce_scatter``, ``broadcast``, ``peer_copy`` (the copy-engine
+    backend's transfers) or ``nccl_other``."""
+    name = str(ev.get("name", "")).lower().replace("_", "")
+    if ev.get("cat") == "gpu_memcpy":
+        return "peer_copy"
+    for frag, kind in _KINDS:
+        if frag in name:
+            return kind
+    return "nccl_other"
+
+
 def gpu_accounting(trace: str | dict[str, Any], steps: int) -> dict[str, Any]:
     """Compute / communication / bubble milliseconds per step from one rank's Chrome
     trace (a path or the loaded JSON). See the module docstring for the definitions."""
@@ -102,11 +129,13 @@ def gpu_accounting(trace: str | dict[str, Any], steps: int) -> dict[str, Any]:
     if not gpu:
         return {"available": False, "reason": "no GPU activity in the trace (CPU run?)"}
     compute, comm = [], []
+    by_kind: dict[str, list[tuple[float, float]]] = {}
     for ev in gpu:
         s = float(ev["ts"])
         iv = (s, s + float(ev["dur"]))
         if _is_comm(ev):
             comm.append(iv)
+            by_kind.setdefault(comm_kind(ev), []).append(iv)
         elif ev.get("cat") != "gpu_memcpy":
             compute.append(iv)
     start = min(float(ev["ts"]) for ev in gpu)
@@ -128,6 +157,11 @@ def gpu_accounting(trace: str | dict[str, Any], steps: int) -> dict[str, Any]:
         "other_idle_ms": (window - busy - exposed) * us_to_ms,
         "kernels": len(gpu),
         "comm_kernels": len(comm),
+        # exposed communication per collective kind (each kind's union minus compute;
+        # kinds in flight at the same time each count, so the sum can exceed the total)
+        "exposed_by_kind_ms": {
+            k: _minus_length(interval_union(v), cu) * us_to_ms for k, v in sorted(by_kind.items())
+        },
     }
 
 

@@ -1018,6 +1018,8 @@ class Trainer:
         ]
         out = merge_ranks(per_rank)
         out["per_rank"] = per_rank
+        # which collective kinds the compute stream waited for, on this rank
+        out["exposed_by_kind_ms_this_rank"] = mine.get("exposed_by_kind_ms")
         out["profiled_steps"] = steps
         acts = self.cfg.profile_activities
         cuda_only = acts == "cuda" and self.device.type == "cuda"
