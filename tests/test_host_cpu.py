@@ -22,6 +22,20 @@ def _spin(seconds: float) -> None:
         x += 1
 
 
+def _spinner(name: str, seconds: float):
+    """A thread that spins ``seconds`` of CPU once ``go`` is set, sets ``done`` and stays
+    alive until ``release`` (an exited thread's time leaves /proc with it)."""
+    go, done, release = threading.Event(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        go.wait()
+        _spin(seconds)
+        done.set()
+        release.wait()
+
+    return threading.Thread(target=work, name=name), go, done, release
+
+
 def test_thread_groups() -> None:
     assert thread_group("python", "", True) == "training"
     assert thread_group("pt_autograd_0", "", False) == "autograd"
@@ -42,15 +56,7 @@ def test_meter_attributes_cpu_time_to_the_right_threads() -> None:
     until the window closes (an exited thread's time leaves /proc with it)."""
     meter = ThreadCpuMeter()
     assert meter.available
-    go, done, release = threading.Event(), threading.Event(), threading.Event()
-
-    def work() -> None:
-        go.wait()
-        _spin(0.3)
-        done.set()
-        release.wait()
-
-    th = threading.Thread(target=work, name="freescale-copy-engine-test")
+    th, go, done, release = _spinner("freescale-copy-engine-test", 0.3)
     th.start()
     meter.start()
     go.set()
@@ -73,18 +79,10 @@ def test_meter_lists_the_busiest_threads_of_no_known_role() -> None:
     0.3 s inside the window is listed first under ``other_threads_top`` with its kernel
     name and ms per step, marked as created inside the window; an idle one is not."""
     meter = ThreadCpuMeter()
-    go, done, release = threading.Event(), threading.Event(), threading.Event()
-
-    def work() -> None:
-        go.wait()
-        _spin(0.3)
-        done.set()
-        release.wait()
-
+    th, go, done, release = _spinner("Thread-busy", 0.3)
     idle = threading.Thread(target=release.wait, name="Thread-idle")
     idle.start()
     meter.start()
-    th = threading.Thread(target=work, name="Thread-busy")
     th.start()
     go.set()
     assert done.wait(timeout=30)
