@@ -35,6 +35,8 @@
 #                                      # completion, a mutant that must be CAUGHT), then one
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
+#   bash benchmarks/e2e_gpu.sh s13a    # ~7.5 min: smcheck, then main (the headline, CUPTI released)
+#   bash benchmarks/e2e_gpu.sh s13b    # ~9 min: MERGE=<s13a's e2e.json> ablate, then cwait
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
 #   bash benchmarks/e2e_gpu.sh checks9 # ~7 min (at most ~9.7), one call: bal64, then
@@ -419,5 +421,18 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
   rm -rf "$OUT/e2e_cwait/traces" "$OUT"/e2e_cwait/*.png
   ;;
-*) echo "usage: $0 first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+s13a)
+  # next session, first call (~7.5 min): the copy-engine checks (stream-gate variants gone),
+  # then the headline main run with CUPTI released after each profiled window (dbde1b3)
+  bash "$0" smcheck
+  bash "$0" main
+  ;;
+s13b)
+  # second call (~9 min): ablate (1-GPU baseline + prioritized / balance_fbs /
+  # freescale_nccl_overlap merged into s13a's e2e.json, copied into the tree first), then
+  # cwait (copy engine vs NCCL side group, two passes A B / B A)
+  bash "$0" ablate
+  bash "$0" cwait
+  ;;
+*) echo "usage: $0 s13a|s13b|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac
