@@ -36,7 +36,7 @@
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh s13a    # ~7.5 min: smcheck, then main (the headline, CUPTI released)
-#   bash benchmarks/e2e_gpu.sh s13b    # ~9 min: MERGE=<s13a's e2e.json> ablate, then cwait
+#   bash benchmarks/e2e_gpu.sh s13b    # ~9 min: MERGE=<s13a's e2e.json> ablate, then dmet
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
 #   bash benchmarks/e2e_gpu.sh sme2e   # ~5 min: the e2e run of smfree only
 #   bash benchmarks/e2e_gpu.sh checks9 # ~7 min (at most ~9.7), one call: bal64, then
@@ -430,9 +430,27 @@ s13a)
 s13b)
   # second call (~9 min): ablate (1-GPU baseline + prioritized / balance_fbs /
   # freescale_nccl_overlap merged into s13a's e2e.json, copied into the tree first), then
-  # cwait (copy engine vs NCCL side group, two passes A B / B A)
+  # dmet (the deferred metrics all-gather A/B)
   bash "$0" ablate
-  bash "$0" cwait
+  bash "$0" dmet
   ;;
-*) echo "usage: $0 s13a|s13b|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+dmet)
+  # (~4.5 min) freescale with each step's record finished a step later still
+  # (TrainConfig.defer_metrics: the per-step stage-times all-gather, 2.9 ms of freescale's
+  # training-thread wait at 6bd6de1, in flight for a step instead of a host barrier);
+  # two passes, A B C / C B A; same bits (tests/test_accounting.py)
+  timeout 330 $HEAD --out "$OUT/e2e_dmet" --nproc 2 --steps "${DMET_STEPS:-300}" --repeats 2 \
+    --variants vanilla freescale freescale_deferred_metrics > "$OUT/e2e_dmet.log" 2>&1
+  echo "dmet rc=$?"; grep -E "^\| " "$OUT/e2e_dmet/e2e.md" | cut -c1-300
+  python - "$OUT/e2e_dmet/e2e.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"] + d.get("repeat_rows", []):
+    hc = (r.get("summary") or {}).get("host_cpu") or {}
+    w = (hc.get("host_wait_training") or {}).get("gloo:stage_times", {}).get("ms_per_step")
+    print(r["variant"], r.get("pass"), round(r["qps"]), "deferred", r["summary"].get("metrics_deferred"), "stage_times wait", w)
+PY
+  rm -rf "$OUT/e2e_dmet/traces" "$OUT"/e2e_dmet/*.png
+  ;;
+*) echo "usage: $0 s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -110,6 +111,56 @@ def test_events_timing_and_profiling_change_nothing(pool2, tmp_path):
     assert acc["profiled_steps"] == 3 and not acc["available"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
     assert torch.isfinite(torch.tensor(sb["straggler_share_median"]))
+
+
+class _Records(TrainerHook):
+    """The order in which step records reach the hooks, with their loss and share."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    def on_metrics(self, trainer, step, record):  # noqa: ANN001, ANN201
+        self.seen.append((step, record["loss_sum"], record["straggler_share"]))
+
+
+def _run_records(rank, world, cfg, never_flush=False):
+    cls = Trainer
+    if never_flush:  # the mutant: a deferred record is never finished at a flush point
+
+        class _NeverFlush(Trainer):
+            def _finish_step(self, rec, acc, bar, last, flush=True):  # noqa: ANN001
+                super()._finish_step(rec, acc, bar, last, flush=False)
+
+        cls = _NeverFlush
+    hook = _Records()
+    tr = cls(cfg, hooks=[hook])
+    summary = tr.train()
+    summary["_seen"] = [(s, x) for s, x, _ in hook.seen]
+    summary["_shares_finite"] = all(math.isfinite(r) for _, _, r in hook.seen)
+    return _state(tr), summary
+
+
+def test_deferred_metrics_change_nothing(pool2):
+    """defer_metrics finishes each step's record a step later (the stage-times all-gather
+    in flight meanwhile): parameters bit for bit, every record once and in step order
+    with the same loss, the same timed steps and eval; the deferral really happened
+    (metrics_deferred > 0). A mutant that never finishes the deferred record at a flush
+    point (eval, last step) is caught by the same record check."""
+    base = tiny_config(steps=10, dtype="float32")
+    base.eval_every = 5
+    base.timing = "events"
+    base.data_thread = True  # its gate waits on the hooks' records: finished later now
+    deferred = dataclasses.replace(base, defer_metrics=True)
+    a = pool2.run(_run_records, base)
+    b = pool2.run(_run_records, deferred)
+    assert _compare([r[0] for r in a], [r[0] for r in b], 0.0) == 0.0
+    sa, sb = a[0][1], b[0][1]
+    assert [s for s, _ in sa["_seen"]] == list(range(1, 11))
+    assert sb["_seen"] == sa["_seen"] and sb["_shares_finite"]
+    assert sa["metrics_deferred"] == 0 and sb["metrics_deferred"] > 0
+    assert sb["timed_steps"] == sa["timed_steps"] and sb["eval_ne"] == sa["eval_ne"]
+    mutant = pool2.run(_run_records, deferred, True)[0][1]
+    assert mutant["_seen"] != sa["_seen"]  # the check sees the lost record
 
 
 def test_host_copy_leaves_host_tensors_alone():

@@ -203,12 +203,15 @@ def test_diagnostic_variants_force_one_setting_only():
     others = {"freescale_host_completion", "freescale_late_prepare"}
     switch = {"vanilla_fast_switch": "vanilla", "freescale_fast_switch": "freescale"}
     pinned = {"vanilla_pinned": "vanilla", "freescale_pinned": "freescale"}
-    others |= {"freescale_gloo_handshake"}
+    others |= {"freescale_gloo_handshake", "freescale_deferred_metrics"}
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"
     assert got == dataclasses.replace(ref0, copy_engine_handshake="gloo", log_path=got.log_path)
+    got = _variant_cfg(base, "freescale_deferred_metrics", "prioritized")
+    assert got.defer_metrics and not ref0.defer_metrics
+    assert got == dataclasses.replace(ref0, defer_metrics=True, log_path=got.log_path)
     for diag, twin in pinned.items():
         mode = "vanilla" if twin == "vanilla" else "prioritized"
         got, ref = _variant_cfg(base, diag, mode), _variant_cfg(base, twin, mode)

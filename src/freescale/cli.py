@@ -102,6 +102,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "boundaries) or events (CUDA events read a step later; for throughput)",
     )
     p.add_argument(
+        "--defer-metrics",
+        action="store_true",
+        help="with --timing events: finish each step's record (stage-times all-gather, "
+        "hooks, log) one step later still, so the all-gather is not a per-step host "
+        "barrier between the ranks. Same numerics",
+    )
+    p.add_argument(
         "--copy-engine-completion",
         choices=["auto", "host", "device"],
         default="auto",
@@ -283,6 +290,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         mode=args.mode,
         max_collision_rate=args.max_collision_rate,
         timing=args.timing,
+        defer_metrics=getattr(args, "defer_metrics", False),
         sparse_update=getattr(args, "sparse_update", "auto"),
         copy_engine_completion=getattr(args, "copy_engine_completion", "auto"),
         copy_engine_handshake=getattr(args, "copy_engine_handshake", "auto"),

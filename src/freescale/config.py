@@ -167,6 +167,12 @@ class TrainConfig:
     # and reads them one step later (no host sync on the compute stream for timing; the
     # mode for throughput measurements). Identical numerics either way.
     timing: Literal["sync", "events"] = "sync"
+    # with timing="events": finish each step's record (the all-gather of stage times for
+    # the straggler share, hooks' on_metrics, log) one step later still, so the per-step
+    # gloo all-gather is in flight for a step instead of a host barrier between the ranks
+    # every step (Trainer._finish_step). Same order of records and hooks, identical
+    # numerics; off until measured on GPUs (bench variant freescale_deferred_metrics)
+    defer_metrics: bool = False
     # the owner's sparse update: "ahead" groups the ids by row when they arrive in the
     # forward and reads the row count in the backward from a pinned copy made then
     # (embedding/reduce.group_rows_start), "padded" groups gradients into one slot per id

@@ -45,7 +45,11 @@ variant with its host threads pinned by role (``TrainConfig.pin_threads``,
 :mod:`~freescale.pipeline.placement`: do the launch threads need a core of their own?
 same bits); ``freescale_gloo_handshake``: freescale with the copy engine's
 per-collective handshakes on gloo instead of the shared-memory exchange
-(``TrainConfig.copy_engine_handshake``; same bits). Every variant runs the GIL probe
+(``TrainConfig.copy_engine_handshake``; same bits); ``freescale_deferred_metrics``:
+freescale with each step's record finished a step later still
+(``TrainConfig.defer_metrics``: the per-step all-gather of stage times stays in flight
+for a step instead of a host barrier between the ranks; same bits). Every variant runs
+the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -116,6 +120,7 @@ DIAGNOSTIC_VARIANTS = (
     "vanilla_pinned",
     "freescale_pinned",
     "freescale_gloo_handshake",
+    "freescale_deferred_metrics",
 )
 # diagnostic variant -> Python's thread switch interval it sets, ms
 # (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
@@ -150,6 +155,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_pinned": ("vanilla", None),
     "freescale_pinned": ("prioritized", "fbs"),
     "freescale_gloo_handshake": ("prioritized", "fbs"),
+    "freescale_deferred_metrics": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -232,6 +238,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
         copy_engine_handshake="gloo"
         if variant == "freescale_gloo_handshake"
         else base.copy_engine_handshake,
+        defer_metrics=base.defer_metrics or variant == "freescale_deferred_metrics",
     )
 
 

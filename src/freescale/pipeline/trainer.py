@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -697,13 +697,15 @@ class Trainer:
         )
 
     # -------------------------------------------------------------- loop
-    def _gather_times(self, times: dict[str, float]) -> list[dict[str, float]]:
+    def _gather_times(self, times: dict[str, float]) -> Callable[[], list[dict[str, float]]]:
+        """Issue the all-gather of this rank's stage times; the returned callable waits
+        for it and returns every rank's times (in rank order)."""
         keys = sorted(times)
         vec = torch.tensor([times[k] for k in keys], dtype=torch.float64)
         if self.world_size == 1:
-            return [dict(zip(keys, vec.tolist()))]
-        out = self.meta_comm.all_gather(vec.to(self.meta_comm.device), name="stage_times").wait()
-        return [dict(zip(keys, o.cpu().tolist())) for o in out]
+            return lambda: [dict(zip(keys, vec.tolist()))]
+        work = self.meta_comm.all_gather(vec.to(self.meta_comm.device), name="stage_times")
+        return lambda: [dict(zip(keys, o.cpu().tolist())) for o in work.wait()]
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
         """Run ``steps`` more steps (default ``cfg.steps``), evaluate, return the summary.
@@ -759,6 +761,10 @@ class Trainer:
         n_ahead = self._ahead_hooks()
         stage = None
         self.data_stage_timing = None  # this call's (a previous call's would be stale)
+        # records whose stage-times all-gather is in flight (cfg.defer_metrics) and how
+        # many were finished a step after they were issued (this call)
+        self._metrics_queue: deque[tuple[dict[str, Any], Any, float]] = deque()
+        self.metrics_deferred = 0
         if self.data_thread and steps > 0:
             stage = self._stage = DataStageThread(
                 lambda s: self._prepare_ahead(s, loader, n_ahead),
@@ -834,7 +840,7 @@ class Trainer:
                     self._finish_step(rec, acc, bar, last)
                     continue
                 if pending is not None:  # step t is queued: finish step t-1
-                    self._finish_step(pending, acc, bar, last)
+                    self._finish_step(pending, acc, bar, last, flush=False)
                 pending = rec
                 eval_now = cfg.eval_every and t % cfg.eval_every == 0 and t != last
                 if eval_now or t == last or t + 1 == prof_first:
@@ -886,6 +892,8 @@ class Trainer:
             "timed_steps": acc.timed_steps,
             "stage_ms": {k: 1e3 * v for k, v in sorted(mean_times.items())},
             "straggler_share_median": _median(acc.straggler),
+            # step records finished one step late (cfg.defer_metrics; 0 when off)
+            "metrics_deferred": self.metrics_deferred,
             "emb_bytes_sent_per_step": self.sparse.stats.emb_bytes_sent
             / max(self.sparse.stats.steps, 1),
             "cpu_threads": self.cpu_threads,
@@ -919,11 +927,20 @@ class Trainer:
             h.on_train_end(self, summary)
         return summary
 
-    def _finish_step(self, rec: dict[str, Any], acc: _LoopAccumulator, bar: Any, last: int) -> None:
+    def _finish_step(
+        self,
+        rec: dict[str, Any],
+        acc: _LoopAccumulator,
+        bar: Any,
+        last: int,
+        flush: bool = True,
+    ) -> None:
         """Per-step bookkeeping after the step's work is queued: resolve event times,
-        all-gather stage times (straggler share), hooks' ``on_metrics``, log, eval."""
-        cfg = self.cfg
-        t = rec["step"]
+        issue the all-gather of stage times, then finish the record (straggler share,
+        hooks' ``on_metrics``, log, eval: :meth:`_complete_step`). With
+        ``cfg.defer_metrics`` and ``flush=False`` the record is finished at the next
+        call instead, so the all-gather is in flight for a step (records and hooks keep
+        their order); ``flush=True`` finishes every record issued so far."""
         t0 = time.perf_counter()
         step_marks: _Marks | None = rec.pop("_step_marks", None)
         marks: _Marks | None = rec.pop("_marks", None)
@@ -933,14 +950,37 @@ class Trainer:
             rec["times"].update(marks.stage_times(step_marks))
         if isinstance(rec["loss_sum"], torch.Tensor):  # host memory: its copy is done
             rec["loss_sum"] = float(rec["loss_sum"])
+        gathered = self._gather_times(rec["times"])
+        self._metrics_queue.append((rec, gathered, time.perf_counter() - t0))
+        keep = 1 if (self.cfg.defer_metrics and not flush) else 0
+        while len(self._metrics_queue) > keep:
+            if len(self._metrics_queue) > 1:
+                self.metrics_deferred += 1  # finished one step after it was issued
+            self._complete_step(*self._metrics_queue.popleft(), acc, bar, last)
+
+    def _complete_step(
+        self,
+        rec: dict[str, Any],
+        gathered: Callable[[], list[dict[str, float]]],
+        issue_s: float,
+        acc: _LoopAccumulator,
+        bar: Any,
+        last: int,
+    ) -> None:
+        """Finish one step's record: every rank's stage times (the all-gather issued by
+        :meth:`_finish_step`), straggler share, timed-window sums, hooks' ``on_metrics``,
+        the data stage's gate, log and eval."""
+        cfg = self.cfg
+        t = rec["step"]
+        t0 = time.perf_counter()
         acc.loss += rec["loss_sum"]
         acc.cands += rec["candidates"]
-        all_times = self._gather_times(rec["times"])
+        all_times = gathered()
         dense = [a.get("dense", 0.0) for a in all_times]
         share = (max(dense) - sum(dense) / len(dense)) / max(max(dense), 1e-12)
         rec["straggler_share"] = share
         rec["dense_ms_per_rank"] = [1e3 * d for d in dense]
-        rec["times"]["metrics"] = time.perf_counter() - t0
+        rec["times"]["metrics"] = issue_s + time.perf_counter() - t0
         if acc.first_timed <= t <= acc.last_timed:
             acc.timed_steps += 1
             acc.samples += cfg.data.global_batch_size
