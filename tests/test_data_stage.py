@@ -48,8 +48,13 @@ def test_order_and_gate():
             assert stage.get(s).step == s
             time.sleep(0.002)  # let the producer run ahead as far as the gate allows
             stage.metrics_done(s)
+        # every step handed out: the thread (and its OpenMP team, whose CPU time the
+        # trainer's host-CPU window counts) stays alive until close()
+        time.sleep(0.05)
+        assert stage._thread.is_alive()
     finally:
         stage.close()
+    assert not stage._thread.is_alive()
     assert sorted(done_at_prepare) == steps
     for s, done in done_at_prepare.items():
         assert done >= s - 3, (s, done)

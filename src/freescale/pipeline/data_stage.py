@@ -150,7 +150,11 @@ class DataStageThread:
             self.busy_s += t2 - t1
             self.blocked_s += clock() - t2
             self.prepared += 1
-        self._put(_DONE)
+        if self._put(_DONE):
+            # stay alive until close(): an exited thread takes its OpenMP team with it,
+            # and the team's CPU time (its workers spin between parallel regions) with
+            # it out of the trainer's host-CPU window (metrics.host_cpu)
+            self._stop.wait()
 
     def timing(self) -> dict[str, float | int]:
         """Mean ms per prepared step in ``prepare`` (busy), waiting for the metrics gate
