@@ -452,5 +452,31 @@ for r in d["rows"] + d.get("repeat_rows", []):
 PY
   rm -rf "$OUT/e2e_dmet/traces" "$OUT"/e2e_dmet/*.png
   ;;
-*) echo "usage: $0 s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+omp)
+  # (~8 min) is freescale's host slowed by OpenMP teams spinning? 2 ranks x 2 teams
+  # (training + data stage) x 8 threads = 32 spinning workers on 32 cores. Profiler-free
+  # A/B/A-reversed, 200 steps: default; OMP_WAIT_POLICY=PASSIVE (libgomp workers sleep at
+  # once); --cpu-threads 4
+  for cfgname in default passive t4; do
+    envs=""; extra=""
+    [ "$cfgname" = passive ] && envs="OMP_WAIT_POLICY=PASSIVE"
+    [ "$cfgname" = t4 ] && extra="--cpu-threads 4"
+    env $envs timeout 160 $HEAD --out "$OUT/e2e_omp_$cfgname" --nproc 2 --steps "${OMP_STEPS:-200}" \
+      --repeats 2 --profile-steps 0 $extra --variants vanilla freescale > "$OUT/e2e_omp_$cfgname.log" 2>&1
+    echo "omp $cfgname rc=$?"
+    python - "$OUT/e2e_omp_$cfgname/e2e.json" "$cfgname" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"] + d.get("repeat_rows", []):
+    s = r.get("summary") or {}
+    hc = s.get("host_cpu") or {}
+    g = {k: round(v, 1) for k, v in (hc.get("by_group_ms_per_step") or {}).items()}
+    dt = ((s.get("data_thread") or {}).get("timing") or {}).get("busy_ms")
+    print(sys.argv[2], r["variant"], r.get("pass"), round(r["qps"]), "threads", s.get("cpu_threads"),
+          "cpu/wall", round(hc.get("cpu_over_wall", 0), 2), g, "data busy", dt)
+PY
+    rm -rf "$OUT/e2e_omp_$cfgname/traces" "$OUT"/e2e_omp_"$cfgname"/*.png
+  done
+  ;;
+*) echo "usage: $0 omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac
