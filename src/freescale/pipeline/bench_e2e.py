@@ -65,7 +65,10 @@ The headline compares ``freescale`` with ``vanilla``: ``qps_ratio``, ``ne_rel_di
 vanilla), and ``scaling_efficiency`` when a one-GPU report is given (``--baseline``:
 per-GPU QPS here over per-GPU QPS there, per variant). What was not measured is listed
 under ``not_measured``. On GPUs the trainers run with ``timing="events"`` (no host sync
-per stage), on CPU with the default.
+per stage), on CPU with the default. Rank 0's host is recorded too: its topology
+(``host_topology``, pipeline/placement.py) and, measured once before the variants, its
+single-thread speed (``host_calibration``, metrics/host_speed.py): a host-bound mode's
+QPS moves with it, so two reports from hosts of the same kind compare only next to it.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
+from ..metrics.host_speed import format_host_calibration, host_calibration
 from .trainer import Trainer, TrainerHook
 
 __all__ = [
@@ -799,6 +803,9 @@ def _markdown(report: dict[str, Any]) -> str:
             f"Host (rank 0): {topo['logical_cpus']} logical CPUs, {topo['physical_cores']} "
             f"physical cores, SMT {topo['smt']}.",
         ]
+    speed = format_host_calibration(report.get("host_calibration"))
+    if speed:  # absent in reports written before it (or merged from them)
+        lines += ["", speed]
     lines += [
         "",
         "GPU columns: per step over the profiled last steps, mean over ranks "
@@ -912,6 +919,9 @@ def write_report(
             ),
             None,
         ),
+        # rank 0's CPU model, clock and two timed fixed workloads, measured once before
+        # the variants (metrics/host_speed.py): compares hosts of the same kind
+        "host_calibration": result.get("host_calibration"),
         "world_size": result.get("world_size"),
         "git_sha": _git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -984,11 +994,15 @@ def bench_rank(
     ctx = init_distributed(cfg.device, timeout_s=timeout)
     try:
         cmd = command if merge is None else f"{merge.get('command')} ; {command}"
+        # once, on rank 0, before any variant: the host's single-thread speed (this
+        # launch's host, also when rows are merged from an earlier report)
+        calibration = host_calibration() if ctx.rank == 0 else None
 
         def save(result: dict[str, Any]) -> dict[str, Any]:
             # after every variant, so a run cut short still leaves its finished rows
             if merge is not None:
                 result = merge_results(merge, result)
+            result = {**result, "host_calibration": calibration}
             return write_report(result, out_dir, command=cmd, baseline=baseline)
 
         result = run_e2e(
