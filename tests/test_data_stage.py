@@ -138,7 +138,15 @@ def test_data_thread_changes_nothing_2_ranks(pool2, mode, balance, host_counts):
         assert dt["counts_on_thread"] == (base.steps if host_counts else 0)
         if balance:
             assert moved > 0  # the balancer ran on the thread and moved samples
+        # where the thread's busy time went: one entry per phase it ran
+        phases = dt["phases_ms"]
+        want = {"load"} | ({"hook:BalanceHook"} if balance else set())
+        want |= {"id_counts"} if host_counts else set()
+        assert set(phases) == want, phases  # no "pin": CPU batches are never pinned
+        assert all(v > 0 for v in phases.values())
+        assert sum(phases.values()) <= dt["timing"]["busy_ms"] * 1.05 + 0.05
     assert inline[0][1]["data_thread"]["steps"] == 0
+    assert inline[0][1]["data_thread"]["phases_ms"] == {}
 
 
 def test_data_thread_changes_nothing_4_ranks(pool4):

@@ -188,6 +188,11 @@ class Trainer:
         self.data_stage_counts = 0  # of which the id counts were taken there too
         # the data-stage thread's ms per step: busy / gate / blocked (DataStageThread.timing)
         self.data_stage_timing: dict[str, Any] | None = None
+        # seconds per phase of the data stage's work (load = take the prefetched batch
+        # and agree on it, hook:<class> = each ahead hook, e.g. the balancer, id_counts,
+        # pin = pinning a batch a hook rebuilt), summed over the steps prepared on the
+        # data-stage thread: where its busy time goes (summary data_thread.phases_ms)
+        self.data_stage_phase_s: dict[str, float] = {}
         opts: dict[str, Any] = (
             {"max_collision_rate": cfg.max_collision_rate, "early_prepare": cfg.early_prepare}
             if cfg.mode == "prioritized"
@@ -525,15 +530,29 @@ class Trainer:
         """The data stage of ``step`` on the data-stage thread (pipeline/data_stage.py):
         agree, the ``ahead_safe`` hooks, the id counts when every later hook passes the
         batch through, pinning."""
+        clock = time.perf_counter
+        phases = self.data_stage_phase_s
+        t0 = clock()
         batch = self.next_batch(loader, step, to_device=False, comm=self.data_comm)
+        t1 = clock()
+        phases["load"] = phases.get("load", 0.0) + (t1 - t0)
         for h in self.hooks[:n_ahead]:
             batch = h.on_batch(self, step, batch)
+            t2 = clock()
+            key = f"hook:{type(h).__name__}"
+            phases[key] = phases.get(key, 0.0) + (t2 - t1)
+            t1 = t2
         counts = None
         if all(_passes_batch(h) for h in self.hooks[n_ahead:]):
             counts = self._id_counts(batch, comm=self.data_comm)
             self.data_stage_counts += counts is not None
+            t2 = clock()
+            if counts is not None:  # else: none taken here (cfg.host_counts off)
+                phases["id_counts"] = phases.get("id_counts", 0.0) + (t2 - t1)
+            t1 = t2
         if self.device.type == "cuda" and batch.device.type == "cpu" and not _is_pinned(batch):
             batch = batch.pin_memory()  # so the training thread's copy is asynchronous
+            phases["pin"] = phases.get("pin", 0.0) + (clock() - t1)
         self.data_stage_steps += 1
         return PreparedBatch(step, batch, counts)
 
@@ -906,6 +925,11 @@ class Trainer:
                 "counts_on_thread": self.data_stage_counts,
                 # over every step it prepared (warm-up included)
                 "timing": self.data_stage_timing,
+                # ms per prepared step in each phase of its work (busy, split)
+                "phases_ms": {
+                    k: 1e3 * v / max(self.data_stage_steps, 1)
+                    for k, v in sorted(self.data_stage_phase_s.items())
+                },
             },
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in self.dense.parameters()),
             "overlap_backend": getattr(
