@@ -478,5 +478,24 @@ PY
     rm -rf "$OUT/e2e_omp_$cfgname/traces" "$OUT"/e2e_omp_"$cfgname"/*.png
   done
   ;;
-*) echo "usage: $0 omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+phases)
+  # (~3 min) where the data stage's busy time goes (summary data_thread.phases_ms: load,
+  # hook:BalanceHook, id_counts, pin) and how fast this host is (host_calibration)
+  timeout 170 $HEAD --out "$OUT/e2e_phases" --nproc 2 --steps "${PHASES_STEPS:-150}" --warmup-steps 10 \
+    --profile-steps 0 --variants freescale balance_fbs > "$OUT/e2e_phases.log" 2>&1
+  echo "phases rc=$?"
+  python - "$OUT/e2e_phases/e2e.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("host_calibration", d.get("host_calibration"))
+for r in d["rows"]:
+    s = r["summary"]; dt = s.get("data_thread") or {}
+    hc = s.get("host_cpu") or {}
+    print(r["variant"], round(r["qps"]), "busy", round((dt.get("timing") or {}).get("busy_ms", 0), 2),
+          {k: round(v, 2) for k, v in (dt.get("phases_ms") or {}).items()},
+          {k: round(v, 1) for k, v in (hc.get("by_group_ms_per_step") or {}).items()})
+PY
+  rm -rf "$OUT/e2e_phases/traces" "$OUT"/e2e_phases/*.png
+  ;;
+*) echo "usage: $0 phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac
