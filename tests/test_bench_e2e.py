@@ -23,6 +23,7 @@ from freescale.pipeline.bench_e2e import (
     DIAGNOSTIC_VARIANTS,
     VARIANTS,
     _variant_cfg,
+    apply_bench_defaults,
     headline,
     merge_results,
     run_e2e,
@@ -303,3 +304,18 @@ def test_repeated_passes_replay_the_numerics(pool2, tmp_path):
     assert [r["variant"] for r in merged["repeat_rows"]] == ["freescale"]
     with pytest.raises(ValueError, match="repeats"):
         run_e2e(0, 1, cfg, ["vanilla"], repeats=0)
+
+
+def test_bench_defaults_gpu_profiles_device_activity_only():
+    """On GPUs the benchmark profiles GPU activity only unless told otherwise (the
+    accounting reads nothing else; host-op recording stretches host-bound steps)."""
+    cfg = TrainConfig()
+    apply_bench_defaults(cfg, set(), gpu=True, steps=1000)
+    assert (cfg.profile_activities, cfg.timing, cfg.profile_steps) == ("cuda", "events", 20)
+    assert cfg.gil_probe_ms == 2.0
+    cfg = TrainConfig(profile_activities="cpu_cuda", timing="sync")
+    apply_bench_defaults(cfg, {"--profile-activities", "--timing"}, gpu=True, steps=1000)
+    assert (cfg.profile_activities, cfg.timing) == ("cpu_cuda", "sync")  # the user's word
+    cfg = TrainConfig()
+    apply_bench_defaults(cfg, set(), gpu=False, steps=8)
+    assert (cfg.profile_activities, cfg.timing, cfg.profile_steps) == ("auto", "sync", 2)

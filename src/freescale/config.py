@@ -171,7 +171,10 @@ class TrainConfig:
     # the straggler share, hooks' on_metrics, log) one step later still, so the per-step
     # gloo all-gather is in flight for a step instead of a host barrier between the ranks
     # every step (Trainer._finish_step). Same order of records and hooks, identical
-    # numerics; off until measured on GPUs (bench variant freescale_deferred_metrics)
+    # numerics. Off: measured slower on 2 H200 at 878d359 (QPS 4,088 / 4,309 vs 5,029 /
+    # 4,799, BENCHMARKS.md e2e session 13): the data stage's gate (lag 4 behind the
+    # finished records) then starts each batch a step later and the training thread
+    # waits ~13 ms per step for it (bench variant freescale_deferred_metrics)
     defer_metrics: bool = False
     # the owner's sparse update: "ahead" groups the ids by row when they arrive in the
     # forward and reads the row count in the backward from a pinned copy made then

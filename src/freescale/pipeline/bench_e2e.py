@@ -58,7 +58,8 @@ share, final eval NE / AUC / oracle NE), the NE curve (eval NE at every eval poi
 activity counters (prioritized steps, collision / exclusive / deferred rows, samples
 moved by the balancer), a step-time breakdown (data, embedding, dense, optimizer,
 metrics; ms per step on rank 0) and, when the last steps were profiled
-(``profile_steps``; on by default on GPUs), the GPU accounting of
+(``profile_steps``; on by default on GPUs, recording GPU activity only unless
+``--profile-activities`` says otherwise: :func:`apply_bench_defaults`), the GPU accounting of
 :mod:`~freescale.pipeline.accounting` (compute, bubble, exposed communication per step).
 The headline compares ``freescale`` with ``vanilla``: ``qps_ratio``, ``ne_rel_diff``,
 ``ne_noise_floor``, ``bubble_reduction`` and ``exposed_comm_reduction`` (1 - freescale /
@@ -1025,6 +1026,27 @@ def bench_rank(
             dist.destroy_process_group()
 
 
+def apply_bench_defaults(cfg: TrainConfig, given: set[str], gpu: bool, steps: int) -> None:
+    """The benchmark's defaults where its flags (``given``) leave them open.
+
+    On GPUs: ``timing="events"`` (no host sync per stage: what a user's run would do) and
+    ``profile_activities="cuda"`` — the accounting reads GPU activity only, and recording
+    every host op stretches host-bound steps: profiled minus unprofiled step +3.8 ms with
+    host ops against -0.8 / -1.6 ms without (BENCHMARKS.md e2e, session 10), and at
+    ``878d359`` the profiled bubble grew with host work at unchanged wall time
+    (vanilla_shuffled 14.7 ms against vanilla's 6.3 at 42 ms per step). Everywhere: the
+    GIL probe at 2 ms and the last ``steps // 10`` steps (at most 20) profiled on GPUs,
+    2 on CPU."""
+    if gpu and "--timing" not in given:
+        cfg.timing = "events"
+    if gpu and "--profile-activities" not in given:
+        cfg.profile_activities = "cuda"
+    if "--gil-probe-ms" not in given:
+        cfg.gil_probe_ms = 2.0  # every variant: the GIL wait columns
+    if "--profile-steps" not in given:
+        cfg.profile_steps = min(20, max(steps // 10, 1)) if gpu else 2
+
+
 def bench_e2e_main(argv: list[str] | None = None) -> int:
     """``freescale bench e2e --out DIR [--steps N] [--variants ...] [--nproc N]`` (plus
     every ``freescale train`` data / model flag; ``--mode`` and ``--balance`` are ignored:
@@ -1085,13 +1107,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     args.no_progress = True
     resolve_mode(args)  # --overlap-backend given with --mode freescale applies to every variant
     cfg = build_train_config(args, gpu)
-    given = {a.split("=")[0] for a in argv}
-    if gpu and "--timing" not in given:
-        cfg.timing = "events"  # no host sync per stage: what a user's run would do
-    if "--gil-probe-ms" not in given:
-        cfg.gil_probe_ms = 2.0  # every variant: the GIL wait columns
-    if "--profile-steps" not in given:
-        cfg.profile_steps = min(20, max(args.steps // 10, 1)) if gpu else 2
+    apply_bench_defaults(cfg, {a.split("=")[0] for a in argv}, gpu, args.steps)
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     command = "freescale bench e2e " + " ".join(argv)
     warmup = args.warmup_steps if args.warmup_steps is not None else (30 if gpu else 0)
