@@ -35,6 +35,7 @@
 #                                      # completion, a mutant that must be CAUGHT), then one
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
+#   bash benchmarks/e2e_gpu.sh baldiag # ~6 min: what balancing costs the host-bound prioritized step
 #   bash benchmarks/e2e_gpu.sh s13a    # ~7.5 min: smcheck, then main (the headline, CUPTI released)
 #   bash benchmarks/e2e_gpu.sh s13b    # ~9 min: MERGE=<s13a's e2e.json> ablate, then dmet
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
@@ -478,6 +479,29 @@ PY
     rm -rf "$OUT/e2e_omp_$cfgname/traces" "$OUT"/e2e_omp_"$cfgname"/*.png
   done
   ;;
+baldiag)
+  # (~6 min) session 13: prioritized alone 1.044, balancing alone 1.062, together 0.910.
+  # Profiler-free, 200 steps, 2 passes (A..F / F..A): is it the sample exchange (shadow
+  # plans but moves nothing), the balanced batches, or the copy engine (no_balance)?
+  timeout 420 $HEAD --out "$OUT/e2e_baldiag" --nproc 2 --steps "${BALDIAG_STEPS:-200}" --repeats 2 \
+    --profile-steps 0 --variants vanilla prioritized freescale_no_balance freescale_shadow_balance \
+    balance_fbs freescale > "$OUT/e2e_baldiag.log" 2>&1
+  echo "baldiag rc=$?"
+  python - "$OUT/e2e_baldiag/e2e.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("host_calibration", d.get("host_calibration"))
+for r in d["rows"] + d.get("repeat_rows", []):
+    s = r["summary"]; dt = s.get("data_thread") or {}; hc = s.get("host_cpu") or {}
+    g = hc.get("by_group_ms_per_step") or {}
+    print(r["variant"], r.get("pass"), round(r["qps"]), "wall", round(hc.get("wall_ms_per_step", 0), 1),
+          "train", round(g.get("training", 0), 1), "data", round(g.get("data", 0), 1),
+          "busy", round((dt.get("timing") or {}).get("busy_ms", 0), 1),
+          {k: round(v, 1) for k, v in (dt.get("phases_ms") or {}).items()},
+          "moved", r["activity"].get("samples_moved"))
+PY
+  rm -rf "$OUT/e2e_baldiag/traces" "$OUT"/e2e_baldiag/*.png
+  ;;
 phases)
   # (~3 min) where the data stage's busy time goes (summary data_thread.phases_ms: load,
   # hook:BalanceHook, id_counts, pin) and how fast this host is (host_calibration)
@@ -497,5 +521,5 @@ for r in d["rows"]:
 PY
   rm -rf "$OUT/e2e_phases/traces" "$OUT"/e2e_phases/*.png
   ;;
-*) echo "usage: $0 phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+*) echo "usage: $0 baldiag|phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac

@@ -205,6 +205,7 @@ def test_diagnostic_variants_force_one_setting_only():
     switch = {"vanilla_fast_switch": "vanilla", "freescale_fast_switch": "freescale"}
     pinned = {"vanilla_pinned": "vanilla", "freescale_pinned": "freescale"}
     others |= {"freescale_gloo_handshake", "freescale_deferred_metrics"}
+    others |= {"freescale_shadow_balance", "freescale_no_balance"}  # the balancer only
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
@@ -319,3 +320,24 @@ def test_bench_defaults_gpu_profiles_device_activity_only():
     cfg = TrainConfig()
     apply_bench_defaults(cfg, set(), gpu=False, steps=8)
     assert (cfg.profile_activities, cfg.timing, cfg.profile_steps) == ("auto", "sync", 2)
+
+
+def test_balance_diagnostics_run_and_differ_only_in_balancing(pool2):
+    """``freescale_shadow_balance`` plans (metadata exchanged, steps planned) but moves
+    no sample, so it trains exactly as prioritized with the SM-free backend does
+    (``freescale_no_balance``); ``freescale`` moves samples. Same config as freescale's
+    otherwise."""
+    base = TrainConfig()
+    ref = _variant_cfg(base, "freescale", "prioritized")
+    for diag in ("freescale_shadow_balance", "freescale_no_balance"):
+        got = _variant_cfg(base, diag, "prioritized")
+        assert got == dataclasses.replace(ref, log_path=got.log_path), diag
+    cfg = dataclasses.replace(e2e_config(), profile_steps=0)
+    variants = ["freescale", "freescale_shadow_balance", "freescale_no_balance"]
+    rows = {r["variant"]: r for r in pool2.run(_e2e, cfg, variants)[0]["rows"]}
+    moved = {v: r["activity"]["samples_moved"] for v, r in rows.items()}
+    assert moved["freescale"] > 0 and moved["freescale_shadow_balance"] == 0
+    assert moved["freescale_no_balance"] == 0
+    shadow, plain = rows["freescale_shadow_balance"], rows["freescale_no_balance"]
+    assert shadow["ne_curve"] == plain["ne_curve"]  # nothing moved: the same training
+    assert shadow["activity"]["prioritized_steps"] > 0

@@ -48,8 +48,14 @@ per-collective handshakes on gloo instead of the shared-memory exchange
 (``TrainConfig.copy_engine_handshake``; same bits); ``freescale_deferred_metrics``:
 freescale with each step's record finished a step later still
 (``TrainConfig.defer_metrics``: the per-step all-gather of stage times stays in flight
-for a step instead of a host barrier between the ranks; same bits). Every variant runs
-the GIL probe
+for a step instead of a host barrier between the ranks; same bits);
+``freescale_shadow_balance``: freescale whose balancer plans and reports but moves no
+sample (``BalanceConfig.shadow``: the metadata all-gathers and planning without the
+exchange; the batches of prioritized); ``freescale_no_balance``: freescale without the
+balancer (prioritized with the SM-free overlap backend) — with ``prioritized``,
+``balance_fbs`` and ``freescale`` they separate what balancing costs a host-bound step
+(session 13: each technique alone beat vanilla, the combination did not). Every variant
+runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
 
@@ -126,7 +132,12 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_pinned",
     "freescale_gloo_handshake",
     "freescale_deferred_metrics",
+    "freescale_shadow_balance",
+    "freescale_no_balance",
 )
+# diagnostic variants whose balancer plans and reports but moves nothing
+# (BalanceConfig.shadow): its metadata all-gathers and planning without the exchange
+_SHADOW = ("freescale_shadow_balance",)
 # diagnostic variant -> Python's thread switch interval it sets, ms
 # (TrainConfig.gil_switch_interval_ms; the interpreter's default is 5 ms)
 FAST_SWITCH_MS = 0.5
@@ -161,6 +172,8 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_pinned": ("prioritized", "fbs"),
     "freescale_gloo_handshake": ("prioritized", "fbs"),
     "freescale_deferred_metrics": ("prioritized", "fbs"),
+    "freescale_shadow_balance": ("prioritized", "fbs"),
+    "freescale_no_balance": ("prioritized", None),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -262,7 +275,7 @@ def run_variant(
         from ..balance.hook import BalanceHook
         from ..balance.planner import BalanceConfig
 
-        balance = BalanceHook(BalanceConfig(partitioner=partitioner))
+        balance = BalanceHook(BalanceConfig(partitioner=partitioner, shadow=variant in _SHADOW))
         hooks.append(balance)
     if variant in ("vanilla_reordered", "vanilla_reordered_b"):
         hooks.append(InRankReorder(salt=int(variant.endswith("_b"))))
