@@ -126,6 +126,41 @@ def test_a_thread_that_exits_inside_the_window_counts_if_it_says_so() -> None:
     assert out["by_group_ms_per_step"]["data"] == pytest.approx(20.0, abs=3.0)
 
 
+def test_a_joined_thread_still_in_proc_keeps_its_noted_role(monkeypatch) -> None:
+    """Right after join() a thread's /proc entry may outlive its listing in
+    ``threading`` (the kernel clears the join futex before it unlinks the task): the
+    meter then reads its CPU from /proc and must still count it in the role it noted on
+    exit, not as "other" (a race seen once in CI). Simulated: the thread notes its exit,
+    stays alive, and is hidden from ``threading.enumerate``."""
+    from freescale.metrics.host_cpu import note_thread_exit
+
+    meter = ThreadCpuMeter()
+    go, noted, release = threading.Event(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        go.wait()
+        _spin(0.2)
+        note_thread_exit()
+        noted.set()
+        release.wait()
+
+    th = threading.Thread(target=work, name="freescale-data-stage-rank0")
+    th.start()
+    meter.start()
+    go.set()
+    noted.wait()
+    listed = threading.enumerate
+    monkeypatch.setattr(threading, "enumerate", lambda: [t for t in listed() if t is not th])
+    try:
+        out = meter.stop(steps=10)
+    finally:
+        release.set()
+        th.join()
+    assert out is not None
+    assert out["by_group_ms_per_step"]["data"] == pytest.approx(20.0, abs=3.0)
+    assert th.native_id not in {t["tid"] for t in out["other_threads_top"]}
+
+
 def test_gil_probe_statistics() -> None:
     """The probe's record: wakes counted, percentiles ordered, one start per stop (no
     timing asserted: lateness depends on the machine)."""

@@ -144,6 +144,11 @@ class ThreadCpuMeter:
         other: list[tuple[float, int, str, bool]] = []  # (cpu s, tid, kernel name, new)
         with _EXITED_LOCK:
             exited = {t: _EXITED.pop(t) for t in list(_EXITED) if t in a.threads}
+        for tid, (pyname, _) in exited.items():
+            # a joined thread can still have its /proc entry for a moment after join()
+            # returns (the kernel clears the join futex before it unlinks the task), but
+            # threading no longer lists it: keep the role it noted on exit
+            names.setdefault(tid, pyname)
         for tid, (kname, cpu) in b.threads.items():
             if tid == self._caller:
                 continue  # measured finely below
