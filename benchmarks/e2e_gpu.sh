@@ -36,6 +36,8 @@
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh baldiag # ~6 min: what balancing costs the host-bound prioritized step
+#   bash benchmarks/e2e_gpu.sh hang    # ~3 min: freescale_no_balance (hung at ef8d370) with the
+#                                      # prepare_blocks fix, and with --late-prepare
 #   bash benchmarks/e2e_gpu.sh s13a    # ~7.5 min: smcheck, then main (the headline, CUPTI released)
 #   bash benchmarks/e2e_gpu.sh s13b    # ~9 min: MERGE=<s13a's e2e.json> ablate, then dmet
 #   bash benchmarks/e2e_gpu.sh smcheck # ~3 min: the two checks of smfree only
@@ -477,6 +479,31 @@ for r in d["rows"] + d.get("repeat_rows", []):
           "cpu/wall", round(hc.get("cpu_over_wall", 0), 2), g, "data busy", dt)
 PY
     rm -rf "$OUT/e2e_omp_$cfgname/traces" "$OUT"/e2e_omp_"$cfgname"/*.png
+  done
+  ;;
+hang)
+  # (~3 min) ef8d370 hung in freescale_no_balance (baldiag, session 14): the default group's
+  # all-reduce stuck on both ranks (copy engine with device completion, prepare_backward
+  # deciding rank-locally). Now prepare blocks when the side group orders on the device.
+  # 1: that variant with the fix; 2: --late-prepare (the same order on every rank without
+  # the fix's wait). A hang fails in 60 s (collective timeout), not 300.
+  timeout 150 $HEAD --out "$OUT/e2e_hang_fixed" --nproc 2 --steps 300 --profile-steps 0 \
+    --timeout 60 --variants freescale_no_balance > "$OUT/e2e_hang_fixed.log" 2>&1
+  echo "fixed rc=$?"
+  timeout 150 $HEAD --out "$OUT/e2e_hang_late" --nproc 2 --steps 300 --profile-steps 0 \
+    --timeout 60 --late-prepare --variants freescale_no_balance > "$OUT/e2e_hang_late.log" 2>&1
+  echo "late rc=$?"
+  for f in fixed late; do
+    python - "$OUT/e2e_hang_$f/e2e.json" "$f" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    a = r["activity"]
+    print(sys.argv[2], r["variant"], round(r["qps"]), "steps", r["summary"].get("steps"),
+          "prepared", a.get("prepared_steps"), "blocks", a.get("prepare_blocks"),
+          "completion", a.get("copy_engine_completion"), "prioritized", a.get("prioritized_steps"))
+PY
+    rm -rf "$OUT/e2e_hang_$f/traces" "$OUT"/e2e_hang_"$f"/*.png
   done
   ;;
 baldiag)

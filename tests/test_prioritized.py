@@ -34,6 +34,7 @@ from freescale.embedding.prioritized import (
     MUTATIONS,
     PrioritizedEmbeddingCollection,
     make_embedding_collection,
+    side_orders_on_device,
 )
 from freescale.pipeline.trainer import Trainer, TrainerHook
 
@@ -554,6 +555,36 @@ def test_nccl_side_group_sets_prepare_blocks():
     emb = PrioritizedEmbeddingCollection(
         TABLES, Communicator(None), SparseOptimConfig("sgd"), side_comm=side
     )
+    assert emb.prepare_blocks is True
+
+
+@pytest.mark.parametrize(
+    ("backend", "completion", "blocks"),
+    [
+        ("copy_engine", "device", True),  # copy streams wait on the peers' events
+        ("copy_engine", "host", False),  # the worker waits on the host
+        ("host_staged", None, False),
+        ("gloo", None, False),
+    ],
+)
+def test_device_ordered_side_group_sets_prepare_blocks(backend, completion, blocks):
+    """The copy engine with device completion orders on the device like NCCL: a
+    rank-local prepare_backward hung 2 H200 (ef8d370, prioritized + copy engine, no
+    balancer). The property reads the side group now, so a copy engine that falls back
+    to host completion at its first transfer stops blocking."""
+    side = Communicator(None, name="side")
+    side.backend_name = backend
+    if completion is not None:
+        side.completion = completion  # type: ignore[attr-defined]
+    assert side_orders_on_device(side) is blocks
+    emb = PrioritizedEmbeddingCollection(
+        TABLES, Communicator(None), SparseOptimConfig("sgd"), side_comm=side
+    )
+    assert emb.prepare_blocks is blocks
+    if completion == "device":
+        side.completion = "host"  # type: ignore[attr-defined]
+        assert emb.prepare_blocks is False
+    emb.prepare_blocks = True  # a forced value wins
     assert emb.prepare_blocks is True
 
 

@@ -343,6 +343,22 @@ def _offsets(splits: Sequence[int]) -> list[int]:
     return out
 
 
+def side_orders_on_device(comm: Any) -> bool:
+    """Whether ``comm``'s transfers make one rank's GPU streams wait for another rank's
+    GPU work: NCCL kernels, and the copy engine with device completion (its copy streams
+    wait on the peers' inter-process events). Operations on such a communicator must be
+    issued in the same order, relative to the other communicators' operations, on every
+    rank — a rank-local choice of where they go (prepare_backward's event query) can
+    close a wait cycle across ranks through the dense all-reduces (a hang seen on 2 H200
+    at ef8d370: prioritized with the copy engine and no balancer, default-group
+    all-reduce stuck on both ranks). The host-staged backend, gloo and the copy engine
+    with host completion wait on the host only."""
+    name = getattr(comm, "backend_name", "")
+    if name == "nccl":
+        return True
+    return name == "copy_engine" and getattr(comm, "completion", "") == "device"
+
+
 def _new_group_like(comm: Communicator) -> Communicator:
     """A Communicator over the same ranks as ``comm`` on a new process group."""
     if comm.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
@@ -412,9 +428,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             raise ValueError(f"max_collision_rate must be in [0, 1], got {max_collision_rate}")
         self.max_collision_rate = float(max_collision_rate)
         self.side_comm = side_comm if side_comm is not None else _new_group_like(comm)
-        # a NCCL side group: prepare_backward must decide the same way on every rank
-        # (launch order across NCCL communicators; see prepare_backward)
-        self.prepare_blocks = getattr(self.side_comm, "backend_name", "") == "nccl"
+        # None: prepare_backward blocks iff the side group orders on the device
+        # (side_orders_on_device); tests may force it
+        self._prepare_blocks: bool | None = None
         if side_streams is None:
             side_streams = self.device.type == "cuda"
         if side_streams and self.device.type != "cuda":
@@ -434,6 +450,19 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self._open: _StepCtx | None = None  # forward done, backward not yet
         self._generation = 0
         self._peak: dict[str, int] = {}
+
+    @property
+    def prepare_blocks(self) -> bool:
+        """Whether :meth:`prepare_backward` always runs (waiting for the mask copy)
+        instead of deciding by a rank-local event query: true when the side group's
+        transfers wait for the peers on the device (:func:`side_orders_on_device`)."""
+        if self._prepare_blocks is not None:
+            return self._prepare_blocks
+        return side_orders_on_device(self.side_comm)
+
+    @prepare_blocks.setter
+    def prepare_blocks(self, value: bool | None) -> None:
+        self._prepare_blocks = value
 
     # ------------------------------------------------------------------ streams
     def _compute_stream(self):
@@ -962,7 +991,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         except across NCCL communicators: NCCL requires operations on different
         communicators of one device to be launched in the same order on every rank, and
         t+1's exclusive rows would go out before the dense backward's all-reduces on one
-        rank and after them on another. So with a NCCL side group
+        rank and after them on another; the copy engine with device completion is the
+        same (its copy streams wait on the peers' events: a rank-local choice hung 2
+        H200 at ef8d370). So with a side group that orders on the device
         (:attr:`prepare_blocks`) the choice is not rank-local: it always runs, waiting
         for the mask exchange's host copy (which the forward issued early; the wait is
         short and the GPU still has the dense forward queued). Returns whether it ran

@@ -299,6 +299,8 @@ def run_variant(
         "prioritized_steps": int(ps.get("prioritized_steps", 0)),
         # rank 0's backwards whose gradient-free part ran early (prepare_backward)
         "prepared_steps": int(ps.get("prepared_steps", 0)),
+        # prepare_backward always ran (side group orders on the device), not by query
+        "prepare_blocks": bool(getattr(tr.sparse, "prepare_blocks", False)),
         "sync_steps": int(ps.get("sync_steps", summary.get("steps", 0))),
         "fallbacks": int(ps.get("fallbacks", 0)),
         "collision_rows": int(ps.get("collision_rows", 0)),
