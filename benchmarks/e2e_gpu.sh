@@ -510,9 +510,11 @@ baldiag)
   # (~6 min) session 13: prioritized alone 1.044, balancing alone 1.062, together 0.910.
   # Profiler-free, 200 steps, 2 passes (A..F / F..A): is it the sample exchange (shadow
   # plans but moves nothing), the balanced batches, or the copy engine (no_balance)?
-  timeout 420 $HEAD --out "$OUT/e2e_baldiag" --nproc 2 --steps "${BALDIAG_STEPS:-200}" --repeats 2 \
-    --profile-steps 0 --variants vanilla prioritized freescale_no_balance freescale_shadow_balance \
-    balance_fbs freescale > "$OUT/e2e_baldiag.log" 2>&1
+  # BALDIAG_VARIANTS / BALDIAG_REPEATS split it: ~1 min per variant and pass (session 14)
+  timeout "${BALDIAG_LIMIT:-420}" $HEAD --out "$OUT/e2e_baldiag" --nproc 2 \
+    --steps "${BALDIAG_STEPS:-200}" --repeats "${BALDIAG_REPEATS:-2}" --profile-steps 0 \
+    --variants ${BALDIAG_VARIANTS:-vanilla prioritized freescale_no_balance \
+    freescale_shadow_balance balance_fbs freescale} > "$OUT/e2e_baldiag.log" 2>&1
   echo "baldiag rc=$?"
   python - "$OUT/e2e_baldiag/e2e.json" <<'PY' || true
 import json, sys
