@@ -36,6 +36,8 @@
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh baldiag # ~6 min: what balancing costs the host-bound prioritized step
+#   bash benchmarks/e2e_gpu.sh prepab  # ~6 min: vanilla, freescale, freescale_local_prepare
+#                                      # (the pre-c39168e rank-local prepare), 2 passes
 #   bash benchmarks/e2e_gpu.sh hang    # ~3 min: freescale_no_balance (hung at ef8d370) with the
 #                                      # prepare_blocks fix, and with --late-prepare
 #   bash benchmarks/e2e_gpu.sh s13a    # ~7.5 min: smcheck, then main (the headline, CUPTI released)
@@ -480,6 +482,27 @@ for r in d["rows"] + d.get("repeat_rows", []):
 PY
     rm -rf "$OUT/e2e_omp_$cfgname/traces" "$OUT"/e2e_omp_"$cfgname"/*.png
   done
+  ;;
+prepab)
+  # (~6 min) session 14: did c39168e's blocking prepare_backward change freescale's QPS?
+  # vanilla, freescale, freescale_local_prepare (the pre-c39168e rank-local choice; with
+  # the balancer it never hung), profiler-free, 300 steps, 2 passes (A B C / C B A)
+  timeout "${PREPAB_LIMIT:-500}" $HEAD --out "$OUT/e2e_prepab" --nproc 2 --steps "${PREPAB_STEPS:-300}" \
+    --repeats 2 --profile-steps 0 --timeout 60 \
+    --variants vanilla freescale freescale_local_prepare > "$OUT/e2e_prepab.log" 2>&1
+  echo "prepab rc=$?"
+  python - "$OUT/e2e_prepab/e2e.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("host_calibration", d.get("host_calibration"))
+for r in d["rows"] + d.get("repeat_rows", []):
+    s = r["summary"]; a = r["activity"]; hc = s.get("host_cpu") or {}
+    g = hc.get("by_group_ms_per_step") or {}
+    print(r["variant"], r.get("pass"), round(r["qps"]), "wall", round(hc.get("wall_ms_per_step", 0), 1),
+          "train", round(g.get("training", 0), 1), "prepared", a.get("prepared_steps"),
+          "blocks", a.get("prepare_blocks"), "ne", r.get("eval_ne"))
+PY
+  rm -rf "$OUT/e2e_prepab/traces" "$OUT"/e2e_prepab/*.png
   ;;
 hang)
   # (~3 min) ef8d370 hung in freescale_no_balance (baldiag, session 14): the default group's

@@ -206,6 +206,7 @@ def test_diagnostic_variants_force_one_setting_only():
     pinned = {"vanilla_pinned": "vanilla", "freescale_pinned": "freescale"}
     others |= {"freescale_gloo_handshake", "freescale_deferred_metrics"}
     others |= {"freescale_shadow_balance", "freescale_no_balance"}  # the balancer only
+    others |= {"freescale_local_prepare"}  # prepare_blocks forced off after construction
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
@@ -326,15 +327,23 @@ def test_balance_diagnostics_run_and_differ_only_in_balancing(pool2):
     """``freescale_shadow_balance`` plans (metadata exchanged, steps planned) but moves
     no sample, so it trains exactly as prioritized with the SM-free backend does
     (``freescale_no_balance``); ``freescale`` moves samples. Same config as freescale's
-    otherwise."""
+    otherwise. ``freescale_local_prepare`` is freescale with prepare_backward's
+    rank-local choice forced (reported as ``prepare_blocks`` False): the same bits."""
     base = TrainConfig()
     ref = _variant_cfg(base, "freescale", "prioritized")
-    for diag in ("freescale_shadow_balance", "freescale_no_balance"):
+    for diag in ("freescale_shadow_balance", "freescale_no_balance", "freescale_local_prepare"):
         got = _variant_cfg(base, diag, "prioritized")
         assert got == dataclasses.replace(ref, log_path=got.log_path), diag
     cfg = dataclasses.replace(e2e_config(), profile_steps=0)
     variants = ["freescale", "freescale_shadow_balance", "freescale_no_balance"]
+    variants.append("freescale_local_prepare")
     rows = {r["variant"]: r for r in pool2.run(_e2e, cfg, variants)[0]["rows"]}
+    local = rows["freescale_local_prepare"]
+    assert local["activity"]["prepare_blocks"] is False
+    assert local["ne_curve"] == rows["freescale"]["ne_curve"]
+    assert (
+        local["activity"]["prioritized_steps"] == rows["freescale"]["activity"]["prioritized_steps"]
+    )
     moved = {v: r["activity"]["samples_moved"] for v, r in rows.items()}
     assert moved["freescale"] > 0 and moved["freescale_shadow_balance"] == 0
     assert moved["freescale_no_balance"] == 0

@@ -54,7 +54,12 @@ sample (``BalanceConfig.shadow``: the metadata all-gathers and planning without 
 exchange; the batches of prioritized); ``freescale_no_balance``: freescale without the
 balancer (prioritized with the SM-free overlap backend) — with ``prioritized``,
 ``balance_fbs`` and ``freescale`` they separate what balancing costs a host-bound step
-(session 13: each technique alone beat vanilla, the combination did not). Every variant
+(session 13: each technique alone beat vanilla, the combination did not);
+``freescale_local_prepare``: freescale with ``prepare_backward`` deciding by its
+rank-local event query although the copy engine orders on the device (the rule before
+``c39168e``; same bits): what the fix costs or gains. With the balancer the host ran
+behind the GPU and this ran thousands of steps; without it, it hung (session 14), so
+it exists only with the balancer. Every variant
 runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.
@@ -134,7 +139,10 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_deferred_metrics",
     "freescale_shadow_balance",
     "freescale_no_balance",
+    "freescale_local_prepare",
 )
+# diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
+_LOCAL_PREPARE = ("freescale_local_prepare",)
 # diagnostic variants whose balancer plans and reports but moves nothing
 # (BalanceConfig.shadow): its metadata all-gathers and planning without the exchange
 _SHADOW = ("freescale_shadow_balance",)
@@ -174,6 +182,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_deferred_metrics": ("prioritized", "fbs"),
     "freescale_shadow_balance": ("prioritized", "fbs"),
     "freescale_no_balance": ("prioritized", None),
+    "freescale_local_prepare": ("prioritized", "fbs"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
@@ -283,6 +292,8 @@ def run_variant(
     tr = Trainer(cfg, hooks=hooks, ctx=ctx)
     if tr.world_size != world or tr.rank != rank:
         raise RuntimeError(f"rank {rank}/{world} but the trainer sees {tr.rank}/{tr.world_size}")
+    if variant in _LOCAL_PREPARE:
+        tr.sparse.prepare_blocks = False  # type: ignore[union-attr]
     try:
         summary = tr.train()
     finally:
