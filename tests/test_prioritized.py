@@ -568,10 +568,10 @@ def test_nccl_side_group_sets_prepare_blocks():
     ],
 )
 def test_device_ordered_side_group_sets_prepare_blocks(backend, completion, blocks):
-    """The copy engine with device completion orders on the device like NCCL: a
-    rank-local prepare_backward hung 2 H200 (ef8d370, prioritized + copy engine, no
-    balancer). The property reads the side group now, so a copy engine that falls back
-    to host completion at its first transfer stops blocking."""
+    """The copy engine with device completion orders on the device like NCCL (a
+    rank-local prepare_backward was suspected in a hang on 2 H200 at ef8d370). The
+    property reads the side group now, so a copy engine that falls back to host
+    completion at its first transfer stops blocking."""
     side = Communicator(None, name="side")
     side.backend_name = backend
     if completion is not None:

@@ -310,3 +310,50 @@ def test_pin_threads_places_the_training_thread_and_restores(pool2):
             assert state["tables"][n][0] == lo and torch.equal(state["tables"][n][1], t), n
         for k, v in r["dense"].items():
             assert torch.equal(v, state["dense"][k]), k
+
+
+class _StallOnce(TrainerHook):
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def after_forward(self, trainer, step, loss):  # noqa: ANN001
+        if step == self.step:
+            _stalled_here(self.seconds)
+
+
+def _stalled_here(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def test_stall_dump_prints_every_threads_stack_and_training_goes_on(capfd):
+    """``stall_dump_s``: a step that does not finish within the limit gets every
+    thread's Python stack printed (faulthandler, once per stall), naming where it is
+    blocked; training then finishes normally and the dump is disarmed (no late dump)."""
+    import time
+
+    cfg = dataclasses.replace(tiny_config(steps=4), stall_dump_s=1.0)
+    tr = Trainer(cfg, hooks=[_StallOnce(step=3, seconds=3.5)])
+    stall = [h for h in tr.hooks if type(h).__name__ == "StallDump"]
+    assert len(stall) == 1
+    tr.train()
+    tr.close()
+    assert stall[0].armed is False
+    err = capfd.readouterr().err
+    dumps = err.split("Timeout (0:00:01)!")[1:]
+    assert len(dumps) >= 1, err[-2000:]
+    # once per stall: the 3.5 s stall gives one dump, not three
+    assert sum("_stalled_here" in d for d in dumps) == 1, err[-3000:]
+    time.sleep(1.5)  # disarmed: nothing more is written
+    assert "Timeout (" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match="stall_dump_s"):
+        TrainConfig(stall_dump_s=-1.0)
+
+
+def test_no_stall_dump_without_a_stall(capfd):
+    cfg = dataclasses.replace(tiny_config(steps=3), stall_dump_s=30.0)
+    tr = Trainer(cfg)
+    tr.train()
+    tr.close()
+    assert "Timeout (" not in capfd.readouterr().err

@@ -133,6 +133,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "lock behind the data-stage and communicator threads",
     )
     p.add_argument(
+        "--stall-dump-s",
+        type=float,
+        default=0.0,
+        help="debugging hangs: if no step finishes within this many seconds, print every "
+        "thread's Python stack to stderr (once per stall; 0 = off)",
+    )
+    p.add_argument(
         "--gil-probe-ms",
         type=float,
         default=0.0,
@@ -297,6 +304,7 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
         early_prepare=not getattr(args, "late_prepare", False),
         gil_switch_interval_ms=getattr(args, "gil_switch_interval_ms", None),
         gil_probe_ms=getattr(args, "gil_probe_ms", 0.0),
+        stall_dump_s=getattr(args, "stall_dump_s", 0.0),
         pin_threads=getattr(args, "pin_threads", False),
         overlap_backend=args.overlap_backend or "default",
         profile_steps=args.profile_steps,

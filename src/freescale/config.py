@@ -203,6 +203,10 @@ class TrainConfig:
     # host: measure that wait over the timed steps (metrics.host_cpu.GilProbe, one wake
     # per this many ms; 0 = off); reported in the summary's host_cpu["gil_wait"]
     gil_probe_ms: float = 0.0
+    # debugging hangs: if no step finishes within this many seconds, write every thread's
+    # Python stack to stderr (pipeline.trainer.StallDump, faulthandler; once per stall,
+    # the run goes on); 0 = off
+    stall_dump_s: float = 0.0
     # host: pin this rank's threads by role (pipeline/placement.py): training and autograd
     # threads a physical core each, data stage and loader a CPU each, the rest the other
     # cores of the rank's share; applied at the first step and after the warm-up, undone
@@ -255,6 +259,8 @@ class TrainConfig:
             raise ValueError(
                 f"gil_switch_interval_ms must be > 0 (or None), got {self.gil_switch_interval_ms}"
             )
+        if not self.stall_dump_s >= 0:
+            raise ValueError(f"stall_dump_s must be >= 0 (0 = off), got {self.stall_dump_s}")
         if not self.gil_probe_ms >= 0:
             raise ValueError(f"gil_probe_ms must be >= 0 (0 = off), got {self.gil_probe_ms}")
 

@@ -349,10 +349,12 @@ def side_orders_on_device(comm: Any) -> bool:
     wait on the peers' inter-process events). Operations on such a communicator must be
     issued in the same order, relative to the other communicators' operations, on every
     rank — a rank-local choice of where they go (prepare_backward's event query) can
-    close a wait cycle across ranks through the dense all-reduces (a hang seen on 2 H200
-    at ef8d370: prioritized with the copy engine and no balancer, default-group
-    all-reduce stuck on both ranks). The host-staged backend, gloo and the copy engine
-    with host completion wait on the host only."""
+    close a wait cycle across ranks through the dense all-reduces (the suspected cause of
+    a hang on 2 H200 at ef8d370: prioritized with the copy engine and no balancer,
+    default-group all-reduce stuck on both ranks; the same variant hung again with this
+    rule in force, so it is not the whole cause — BENCHMARKS.md e2e, session 14). The
+    host-staged backend, gloo and the copy engine with host completion wait on the host
+    only."""
     name = getattr(comm, "backend_name", "")
     if name == "nccl":
         return True
@@ -992,8 +994,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         communicators of one device to be launched in the same order on every rank, and
         t+1's exclusive rows would go out before the dense backward's all-reduces on one
         rank and after them on another; the copy engine with device completion is the
-        same (its copy streams wait on the peers' events: a rank-local choice hung 2
-        H200 at ef8d370). So with a side group that orders on the device
+        same (its copy streams wait on the peers' events; suspected in a hang on 2 H200
+        at ef8d370). So with a side group that orders on the device
         (:attr:`prepare_blocks`) the choice is not rank-local: it always runs, waiting
         for the mask exchange's host copy (which the forward issued early; the wait is
         short and the GPU still has the dense forward queued). Returns whether it ran

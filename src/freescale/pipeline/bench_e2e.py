@@ -57,9 +57,9 @@ balancer (prioritized with the SM-free overlap backend) — with ``prioritized``
 (session 13: each technique alone beat vanilla, the combination did not);
 ``freescale_local_prepare``: freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
-``c39168e``; same bits): what the fix costs or gains. With the balancer the host ran
-behind the GPU and this ran thousands of steps; without it, it hung (session 14), so
-it exists only with the balancer. Every variant
+``c39168e``; same bits): what that change costs or gains. With the balancer it has
+run thousands of steps; prioritized + copy engine without a balancer hung with either
+rule (session 14), so it exists only with the balancer. Every variant
 runs the GIL probe
 (``TrainConfig.gil_probe_ms``, 2 ms unless ``--gil-probe-ms`` says otherwise): the
 report's "GIL wait" columns.

@@ -23,6 +23,7 @@ no collective hangs and no update is half applied.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -120,6 +121,40 @@ class TrainerHook:
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None: ...
 
 
+class StallDump(TrainerHook):
+    """``TrainConfig.stall_dump_s``: if no step finishes its optimizer within ``seconds``
+    (counted from the start of training, then from each step's optimizer), write every
+    thread's Python stack to ``file`` (stderr by default) with :mod:`faulthandler` — once
+    per stall, the process keeps running. For hangs: where the training, autograd,
+    data-stage and communicator worker threads of each rank are blocked, long before a
+    collective's timeout ends the run. Costs one timer re-arm per step."""
+
+    def __init__(self, seconds: float, file: Any = None) -> None:
+        if not seconds > 0:
+            raise ValueError(f"stall dump needs seconds > 0, got {seconds}")
+        self.seconds = float(seconds)
+        self.file = file if file is not None else sys.stderr
+        self.armed = False
+
+    def _arm(self) -> None:
+        faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
+        self.armed = True
+
+    def cancel(self) -> None:
+        if self.armed:
+            faulthandler.cancel_dump_traceback_later()
+            self.armed = False
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._arm()
+
+    def after_optimizer(self, trainer: Trainer, step: int) -> None:
+        self._arm()
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        self.cancel()
+
+
 def make_source(cfg: TrainConfig):
     """The data source named by ``cfg.data.source``."""
     if cfg.data.source == "synthetic":
@@ -162,6 +197,8 @@ class Trainer:
         self.device = self.ctx.device
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.hooks = list(hooks)
+        if cfg.stall_dump_s > 0:
+            self.hooks.append(StallDump(cfg.stall_dump_s))
         self.config_hash = check_config_hash(cfg, self.ctx)
         self.dtype = torch.float64 if cfg.model.dtype == "float64" else torch.float32
         self.source = source if source is not None else make_source(cfg)
@@ -1096,6 +1133,9 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        for h in self.hooks:
+            if isinstance(h, StallDump):
+                h.cancel()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
