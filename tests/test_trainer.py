@@ -357,3 +357,17 @@ def test_no_stall_dump_without_a_stall(capfd):
     tr.train()
     tr.close()
     assert "Timeout (" not in capfd.readouterr().err
+
+
+def test_known_hang_risk_names_the_configuration_that_hung():
+    """prioritized + copy engine + no balancer on CUDA hung 2 H200 in session 14 (cause
+    open): the trainer warns for exactly that configuration."""
+    from freescale.pipeline.trainer import known_hang_risk
+
+    msg = known_hang_risk("prioritized", "cuda", "copy_engine", ["StallDump"])
+    assert msg is not None and "copy engine" in msg and "--mode freescale" in msg
+    assert known_hang_risk("prioritized", "cuda", "copy_engine", ["BalanceHook"]) is None
+    assert known_hang_risk("prioritized", "cuda", "host_staged", []) is None
+    assert known_hang_risk("prioritized", "cuda", None, []) is None  # NCCL side group
+    assert known_hang_risk("prioritized", "cpu", "copy_engine", []) is None
+    assert known_hang_risk("sdd", "cuda", "copy_engine", []) is None
