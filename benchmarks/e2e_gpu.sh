@@ -36,9 +36,10 @@
 #                                      # e2e run: vanilla, freescale (device completion, the default),
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh baldiag # ~6 min: what balancing costs the host-bound prioritized step
-#   bash benchmarks/e2e_gpu.sh hang2   # ~4-6 min: prioritized then freescale_no_balance (the order
+#   bash benchmarks/e2e_gpu.sh hang2   # ~5-8 min: prioritized then freescale_no_balance (the order
 #                                      # that hung at c6be283), stacks dumped after 20 s, then
-#                                      # the same with host completion
+#                                      # the same with host completion, then no_balance alone
+#                                      # for 1,000 steps
 #   bash benchmarks/e2e_gpu.sh prepab  # ~6 min: vanilla, freescale, freescale_local_prepare
 #                                      # (the pre-c39168e rank-local prepare), 2 passes
 #   bash benchmarks/e2e_gpu.sh hang    # ~3 min: freescale_no_balance (hung at ef8d370) with the
@@ -491,7 +492,7 @@ hang2)
   # ran after vanilla and prioritized in one invocation (baldiag); alone it ran 300 steps
   # twice. 1: prioritized then freescale_no_balance (the order that hung), every thread's
   # Python stack dumped after 20 s without a finished step (--stall-dump-s), the collective
-  # timeout at 60 s; 2: the same with the copy engine's host completion.
+  # timeout at 60 s; 2: the same with the copy engine's host completion; 3: alone.
   timeout 200 $HEAD --out "$OUT/e2e_hang2" --nproc 2 --steps 200 --profile-steps 0 \
     --timeout 60 --stall-dump-s 20 --variants prioritized freescale_no_balance \
     > "$OUT/e2e_hang2.log" 2>&1
@@ -500,6 +501,11 @@ hang2)
     --steps 200 --profile-steps 0 --timeout 60 --stall-dump-s 20 \
     --variants prioritized freescale_no_balance > "$OUT/e2e_hang2_host.log" 2>&1
   echo "host completion rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_host.log"
+  # 3: alone, longer (alone it ran 300 steps twice): does the order matter at all?
+  timeout 150 $HEAD --out "$OUT/e2e_hang2_alone" --nproc 2 --steps 1000 --profile-steps 0 \
+    --timeout 60 --stall-dump-s 20 --variants freescale_no_balance \
+    > "$OUT/e2e_hang2_alone.log" 2>&1
+  echo "alone rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_alone.log"
   rm -rf "$OUT"/e2e_hang2*/traces "$OUT"/e2e_hang2*/*.png
   ;;
 prepab)
