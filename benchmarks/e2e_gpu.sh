@@ -37,9 +37,9 @@
 #                                      # freescale_host_completion, freescale_nccl_overlap
 #   bash benchmarks/e2e_gpu.sh baldiag # ~6 min: what balancing costs the host-bound prioritized step
 #   bash benchmarks/e2e_gpu.sh hang2   # ~5-8 min: prioritized then freescale_no_balance (the order
-#                                      # that hung at c6be283), stacks dumped after 20 s, then
-#                                      # the same with host completion, then no_balance alone
-#                                      # for 1,000 steps
+#                                      # that hung at c6be283) with the copy streams in the old
+#                                      # low-priority pool and in the new high-priority one,
+#                                      # stacks dumped after 20 s; then no_balance alone
 #   bash benchmarks/e2e_gpu.sh prepab  # ~6 min: vanilla, freescale, freescale_local_prepare
 #                                      # (the pre-c39168e rank-local prepare), 2 passes
 #   bash benchmarks/e2e_gpu.sh hang    # ~3 min: freescale_no_balance (hung at ef8d370) with the
@@ -488,20 +488,24 @@ PY
   done
   ;;
 hang2)
-  # (~4-6 min) session 14: freescale_no_balance hung again at c6be283 (prepare fix in) when it
-  # ran after vanilla and prioritized in one invocation (baldiag); alone it ran 300 steps
-  # twice. 1: prioritized then freescale_no_balance (the order that hung), every thread's
-  # Python stack dumped after 20 s without a finished step (--stall-dump-s), the collective
-  # timeout at 60 s; 2: the same with the copy engine's host completion; 3: alone.
-  timeout 200 $HEAD --out "$OUT/e2e_hang2" --nproc 2 --steps 200 --profile-steps 0 \
-    --timeout 60 --stall-dump-s 20 --variants prioritized freescale_no_balance \
-    > "$OUT/e2e_hang2.log" 2>&1
-  echo "device completion rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2.log"
-  FREESCALE_COPY_ENGINE_COMPLETION=host timeout 200 $HEAD --out "$OUT/e2e_hang2_host" --nproc 2 \
+  # (~5-8 min) session 14: freescale_no_balance hung at ef8d370 and again at c6be283 (prepare
+  # fix in) when it ran after vanilla and prioritized in one invocation; alone it ran 300
+  # steps twice. Suspect (helper review + torch source): DDP's comm-hook `then` runs each
+  # callback on a stream drawn round robin from torch's low-priority pool and makes it wait
+  # on the all-reduce; the copy engine's copy stream came from the same pool, so an
+  # all-reduce wait could land in a stream that holds waits on the peer. a42b837+ draws the
+  # copy streams from the high-priority pool (CopyEngineConfig.stream_priority = -1).
+  # 1: the old pool (FREESCALE_COPY_STREAM_PRIORITY=0), prioritized then no_balance, every
+  #    thread's stack after 20 s without a finished step, collective timeout 60 s;
+  # 2: the same with the new default; 3: no_balance alone, 1,000 steps, new default.
+  FREESCALE_COPY_STREAM_PRIORITY=0 timeout 200 $HEAD --out "$OUT/e2e_hang2_pool0" --nproc 2 \
     --steps 200 --profile-steps 0 --timeout 60 --stall-dump-s 20 \
-    --variants prioritized freescale_no_balance > "$OUT/e2e_hang2_host.log" 2>&1
-  echo "host completion rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_host.log"
-  # 3: alone, longer (alone it ran 300 steps twice): does the order matter at all?
+    --variants prioritized freescale_no_balance > "$OUT/e2e_hang2_pool0.log" 2>&1
+  echo "old pool rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_pool0.log"
+  timeout 200 $HEAD --out "$OUT/e2e_hang2_hi" --nproc 2 --steps 200 --profile-steps 0 \
+    --timeout 60 --stall-dump-s 20 --variants prioritized freescale_no_balance \
+    > "$OUT/e2e_hang2_hi.log" 2>&1
+  echo "high-priority pool rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_hi.log"
   timeout 150 $HEAD --out "$OUT/e2e_hang2_alone" --nproc 2 --steps 1000 --profile-steps 0 \
     --timeout 60 --stall-dump-s 20 --variants freescale_no_balance \
     > "$OUT/e2e_hang2_alone.log" 2>&1

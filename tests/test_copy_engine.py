@@ -38,6 +38,7 @@ from freescale.comm import (
 )
 from freescale.comm.copy_engine import (
     COMPLETION_ENV,
+    STREAM_PRIORITY_ENV,
     TRAFFIC_CLASSES,
     _split_range,
     ensure_no_multicast,
@@ -283,6 +284,36 @@ def test_copy_engine_completion_resolution(monkeypatch) -> None:
     monkeypatch.setenv(COMPLETION_ENV, "sometimes")
     with pytest.raises(ValueError, match=COMPLETION_ENV):
         CopyEngineConfig().resolved_completion()
+
+
+def test_copy_stream_priority_resolution(monkeypatch) -> None:
+    """Copy streams default to the high-priority pool (-1); the environment overrides
+    (0 = the shared low-priority pool, for A/B runs); junk is rejected by name."""
+    monkeypatch.delenv(STREAM_PRIORITY_ENV, raising=False)
+    assert CopyEngineConfig().resolved_stream_priority() == -1
+    assert CopyEngineConfig(stream_priority=0).resolved_stream_priority() == 0
+    monkeypatch.setenv(STREAM_PRIORITY_ENV, "0")
+    assert CopyEngineConfig().resolved_stream_priority() == 0
+    monkeypatch.setenv(STREAM_PRIORITY_ENV, "high")
+    with pytest.raises(ValueError, match=STREAM_PRIORITY_ENV):
+        CopyEngineConfig().resolved_stream_priority()
+
+
+def test_future_callbacks_draw_streams_from_the_global_pool() -> None:
+    """The premise of ``CopyEngineConfig.stream_priority``: a Future callback (DDP comm
+    hooks' ``then``) runs on a stream drawn from torch's global (low-priority) stream
+    pool, which it makes wait on the future's events. Read from the installed torch's
+    headers; if this stops holding, revisit the copy streams' priority."""
+    import os
+
+    header = os.path.join(os.path.dirname(torch.__file__), "include/ATen/core/ivalue_inl.h")
+    if not os.path.exists(header):
+        pytest.skip("this torch install ships no C++ headers to read the premise from")
+    src = open(header).read()
+    at = src.find("getStreamFromGlobalPool(device)")
+    assert at > 0
+    window = src[at - 1500 : at + 600]
+    assert "callback(*this)" in window and "synchronizeWithCurrentStreams" in window
 
 
 def test_symmetric_memory_api_shape() -> None:

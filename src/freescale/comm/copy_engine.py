@@ -364,6 +364,7 @@ _PEER_MEMORY = ("auto", "symmetric", "ipc", "host_shm")
 _COMPLETION = ("auto", "host", "device")
 COMPLETION_ENV = "FREESCALE_COPY_ENGINE_COMPLETION"
 HANDSHAKE_ENV = "FREESCALE_COPY_ENGINE_HANDSHAKE"
+STREAM_PRIORITY_ENV = "FREESCALE_COPY_STREAM_PRIORITY"
 
 
 @dataclass
@@ -395,6 +396,15 @@ class CopyEngineConfig:
       the dev box); ``auto`` = ``shm`` where the protocol is available (x86-64), else
       ``gloo``, and ``gloo`` if setting it up fails on any rank (said in
       :attr:`CopyEngineCommunicator.handshake_note`).
+    * ``stream_priority``: CUDA priority of the copy streams (:func:`copy_stream_priority`:
+      ``FREESCALE_COPY_STREAM_PRIORITY`` overrides). Negative (the default, -1) takes them
+      from torch's high-priority stream pool. PyTorch's own Future callbacks (DDP comm
+      hooks' ``then``) and NCCL process groups draw *low*-priority pool streams round
+      robin (32 per device) and make the drawn stream wait on an all-reduce; a copy
+      stream that holds device-side waits on the peers must not be that stream, or this
+      rank's all-reduce ends up in a cross-rank wait chain (suspected in the session-14
+      hang, BENCHMARKS.md e2e). The copies run on copy engines, so priority changes no
+      SM scheduling. 0 = the shared low-priority pool (the behaviour before).
     """
 
     peer_memory: str = "auto"
@@ -406,6 +416,7 @@ class CopyEngineConfig:
     timeout_s: float = 300.0
     completion: str = "auto"
     handshake: str = "auto"
+    stream_priority: int = -1
 
     def __post_init__(self) -> None:
         if self.handshake not in ("auto", "shm", "gloo"):
@@ -439,6 +450,11 @@ class CopyEngineConfig:
             return env
         raise ValueError(f"{HANDSHAKE_ENV}={env!r}: use shm, gloo or auto")
 
+    def resolved_stream_priority(self) -> int:
+        """The copy streams' priority: ``stream_priority`` unless
+        ``FREESCALE_COPY_STREAM_PRIORITY`` is set."""
+        return copy_stream_priority(self.stream_priority)
+
     def resolved_completion(self) -> str:
         """``host`` or ``device`` (``auto`` resolved through the environment)."""
         if self.completion != "auto":
@@ -449,6 +465,18 @@ class CopyEngineConfig:
         if env in ("", "auto", "device"):
             return "device"
         raise ValueError(f"{COMPLETION_ENV}={env!r}: use host, device or auto")
+
+
+def copy_stream_priority(default: int = -1) -> int:
+    """CUDA priority for streams that carry SM-free copies: ``FREESCALE_COPY_STREAM_PRIORITY``
+    if set (an integer), else ``default`` (see :class:`CopyEngineConfig`)."""
+    env = os.environ.get(STREAM_PRIORITY_ENV, "").strip()
+    if not env:
+        return int(default)
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"{STREAM_PRIORITY_ENV}={env!r}: use an integer (-1 or 0)") from None
 
 
 # ============================================================ peer memory kinds
@@ -598,9 +626,13 @@ class _CudaCopier:
     same-dtype tensors is one cudaMemcpyAsync; when the destination is on a peer GPU it
     runs on a copy engine (no kernel, no SM)."""
 
-    def __init__(self, device: torch.device, n_streams: int) -> None:
+    def __init__(self, device: torch.device, n_streams: int, priority: int = -1) -> None:
         self.device = device
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(n_streams)]
+        # not from the low-priority pool that Future callbacks draw from (see
+        # CopyEngineConfig.stream_priority)
+        self.streams = [
+            torch.cuda.Stream(device=device, priority=priority) for _ in range(n_streams)
+        ]
         self.n = n_streams
 
     def wait_event(self, event: Any) -> None:
@@ -785,6 +817,7 @@ class CopyEngineCommunicator(Communicator):
         self._seq = 0
         self._slots = [_Slot() for _ in range(self.config.num_recv_buffers)]
         self.completion = self.config.resolved_completion()
+        self.stream_priority = self.config.resolved_stream_priority()
         self.completion_note = ""
         self._signals: _PeerSignals | _HostSignals | None = None
         self.device_completions = 0  # collectives completed with device-side waits
@@ -899,7 +932,9 @@ class CopyEngineCommunicator(Communicator):
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-                self._copier: Any = _CudaCopier(self.device, self.config.copy_streams)
+                self._copier: Any = _CudaCopier(
+                    self.device, self.config.copy_streams, self.stream_priority
+                )
             else:
                 self._copier = _HostCopier()
             while True:

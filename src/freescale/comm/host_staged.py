@@ -177,9 +177,14 @@ class _CudaCopier:
     segment) on one, host-to-device from pinned memory on the other. No kernels."""
 
     def __init__(self, device: torch.device) -> None:
+        from freescale.comm.copy_engine import copy_stream_priority
+
         self.device = device
-        self.d2h_stream = torch.cuda.Stream(device=device)
-        self.h2d_stream = torch.cuda.Stream(device=device)
+        # high-priority pool: not the streams Future callbacks draw and make wait on an
+        # all-reduce (CopyEngineConfig.stream_priority)
+        prio = copy_stream_priority()
+        self.d2h_stream = torch.cuda.Stream(device=device, priority=prio)
+        self.h2d_stream = torch.cuda.Stream(device=device, priority=prio)
         self.streams = (self.d2h_stream, self.h2d_stream)
 
     def wait_event(self, event: Any) -> None:

@@ -1227,7 +1227,7 @@ def _smfree_protocol(comm: Any) -> dict[str, Any] | None:
     if backend not in ("copy_engine", "host_staged"):
         return None
     out = {"backend": backend}
-    out.update({k: getattr(comm, k, None) for k in ("completion", "handshake")})
+    out.update({k: getattr(comm, k, None) for k in ("completion", "handshake", "stream_priority")})
     notes = [getattr(comm, k, "") for k in ("completion_note", "handshake_note")]
     out["notes"] = [n for n in notes if n]
     return out
