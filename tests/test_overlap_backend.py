@@ -37,9 +37,11 @@ def _run(rank, world, cfg, corrupt=False, balance=False):
 
         side.all_to_all_v = bad
     summary = tr.train()
+    tr.close()  # closes the SM-free communicator it made (nothing outlives the trainer)
     side = getattr(tr.sparse, "side_comm", None)
     summary["device_completions"] = getattr(side, "device_completions", 0)
     summary["handshake"] = getattr(side, "handshake", None)
+    summary["side_closed"] = getattr(side, "_closed", None)
     return _state(tr), summary
 
 
@@ -87,6 +89,7 @@ def test_overlapped_traffic_on_smfree_backends_is_exact(
     if backend == "copy_engine":  # the handshake asked for carried the collectives
         assert s["handshake"] == handshake, s["handshake"]
     assert s["smfree"]["backend"] == want, s["smfree"]  # the summary names the protocol
+    assert s["side_closed"] is True  # Trainer.close() closed the overlap communicator
 
 
 def test_a_broken_smfree_backend_is_caught(pool2):

@@ -1162,9 +1162,16 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        """Disarm the stall dump, close the SM-free communicator this trainer made for
+        the overlapped traffic (its worker thread, receive buffers and handshake file:
+        nothing of it outlives the trainer, e.g. into the next bench variant), close the
+        log."""
         for h in self.hooks:
             if isinstance(h, StallDump):
                 h.cancel()
+        comm = getattr(self, "overlap_comm", None)
+        if comm is not None and callable(getattr(comm, "close", None)):
+            comm.close()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
