@@ -299,6 +299,32 @@ def test_copy_stream_priority_resolution(monkeypatch) -> None:
         CopyEngineConfig().resolved_stream_priority()
 
 
+def test_copy_streams_are_requested_from_the_high_priority_pool(monkeypatch) -> None:
+    """Both SM-free backends ask torch for their CUDA copy streams with the resolved
+    priority (-1 by default: the high-priority pool), never the default 0. Stream
+    creation is recorded instead of run (no GPU here)."""
+    from freescale.comm import copy_engine as ce
+    from freescale.comm import host_staged as hs
+
+    made: list[dict] = []
+
+    class _Rec:
+        def __init__(self, device=None, priority=0, **kw) -> None:  # noqa: ANN001
+            made.append({"device": device, "priority": priority})
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Rec)
+    monkeypatch.delenv(STREAM_PRIORITY_ENV, raising=False)
+    dev = torch.device("cuda", 0)
+    ce._CudaCopier(dev, 2, CopyEngineConfig().resolved_stream_priority())
+    hs._CudaCopier(dev)
+    assert [m["priority"] for m in made] == [-1, -1, -1, -1]
+    made.clear()
+    monkeypatch.setenv(STREAM_PRIORITY_ENV, "0")  # the A/B switch back to the shared pool
+    ce._CudaCopier(dev, 1, CopyEngineConfig().resolved_stream_priority())
+    hs._CudaCopier(dev)
+    assert [m["priority"] for m in made] == [0, 0, 0]
+
+
 def test_future_callbacks_draw_streams_from_the_global_pool() -> None:
     """The premise of ``CopyEngineConfig.stream_priority``: a Future callback (DDP comm
     hooks' ``then``) runs on a stream drawn from torch's global (low-priority) stream
