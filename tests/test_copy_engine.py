@@ -387,7 +387,11 @@ def test_world_of_one() -> None:
         comm.all_to_all_v(x, [3], [4])
     with pytest.raises(NotImplementedError, match="reductions"):
         comm.all_reduce(x)
+    from freescale.comm.copy_engine import stall_reports
+
+    assert any(r == comm.stall_report() for r in stall_reports())  # open: reported
     comm.close()
+    assert not any(r.startswith(comm.stall_report().splitlines()[0]) for r in stall_reports())
     with pytest.raises(ValueError, match="needs CUDA"):
         CopyEngineCommunicator(device="cpu", config=CopyEngineConfig(peer_memory="symmetric"))
 
@@ -519,6 +523,11 @@ def ce_suite(
         mem = comm.memory_stats()
         assert mem["peer_memory"] == "host_shm"
         assert 0 < mem["peak_buffer_bytes"] <= 2 * cfg.max_buffer_bytes
+        # the hang-diagnosis report: the last jobs, each issued, every event complete
+        report = comm.stall_report().splitlines()
+        assert report[0].startswith(f"copy engine 'ce' rank {rank}/{world}: next seq {comm._seq}")
+        assert len(report) == 1 + 6 and all(": issued;" in line for line in report[1:]), report
+        assert not any("PENDING" in line for line in report), report
         return {
             "grew_to": grew,
             "mem": mem,

@@ -340,7 +340,13 @@ def test_stall_dump_prints_every_threads_stack_and_training_goes_on(capfd):
     tr.train()
     tr.close()
     assert stall[0].armed is False
+    # the watchdog's state report: once per stall (the 3.5 s one, and any slow start-up
+    # or evaluation longer than 1 s on this machine)
+    assert stall[0].reports >= 1
     err = capfd.readouterr().err
+    n = err.count("[freescale stall] no step finished in 1 s")
+    assert n == stall[0].reports, err[-2000:]
+    assert "(no copy-engine communicator open)" in err  # one rank, no SM-free side group
     dumps = err.split("Timeout (0:00:01)!")[1:]
     assert len(dumps) >= 1, err[-2000:]
     # once per stall: the 3.5 s stall gives one dump, not three

@@ -85,7 +85,9 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -586,6 +588,29 @@ class _HostShmPeers(_PeerMemory):
 
 
 # ================================================================= copiers
+_TRACE_JOBS = 6  # jobs per communicator kept for stall_report()
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # open copy-engine communicators
+
+
+def _event_state(ev: Any) -> str:
+    """'done' / 'PENDING' for an event (a list: one per peer), without waiting."""
+    if ev is None:
+        return "-"
+    if isinstance(ev, (list, tuple)):
+        return "[" + ", ".join(_event_state(e) for e in ev) + "]"
+    try:
+        return "done" if ev.query() else "PENDING"
+    except Exception as e:  # noqa: BLE001 - a report, never a failure
+        return f"error ({type(e).__name__})"
+
+
+def stall_reports() -> list[str]:
+    """One report per open copy-engine communicator of this process
+    (:meth:`CopyEngineCommunicator.stall_report`); for hang diagnosis
+    (``TrainConfig.stall_dump_s``)."""
+    return [c.stall_report() for c in list(_LIVE)]
+
+
 class _NullEvent:
     def query(self) -> bool:
         return True
@@ -818,6 +843,9 @@ class CopyEngineCommunicator(Communicator):
         self._slots = [_Slot() for _ in range(self.config.num_recv_buffers)]
         self.completion = self.config.resolved_completion()
         self.stream_priority = self.config.resolved_stream_priority()
+        # the last jobs' phases and events, for stall_report() (a hang's evidence)
+        self._trace: deque[dict[str, Any]] = deque(maxlen=_TRACE_JOBS)
+        _LIVE.add(self)
         self.completion_note = ""
         self._signals: _PeerSignals | _HostSignals | None = None
         self.device_completions = 0  # collectives completed with device-side waits
@@ -1187,6 +1215,9 @@ class CopyEngineCommunicator(Communicator):
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
+            rec: dict[str, Any] = {"seq": seq, "name": name, "phase": "queued", "ev": {}}
+            rec["ev"]["ready"] = ready
+            self._trace.append(rec)
         except BaseException:
             self._issue_lock.release()
             raise
@@ -1205,12 +1236,15 @@ class CopyEngineCommunicator(Communicator):
             if out is not None:
                 copier.record_stream(out)
             sig = self._setup_signals()
+            rec["phase"] = "buffer free"
             if sig is None:
                 self._wait_events(pre + slot.free_events, f"{describe}: receive buffer release")
             else:  # the peers' copies into this buffer wait for ``free`` on the device
                 for ev in pre + slot.free_events:
                     copier.wait_event(ev)
                 copier.record_event(sig.free[idx])
+                rec["ev"]["free"] = sig.free[idx]
+            rec["phase"] = "header exchange"
             table = self._gather_header(hdr, f"{describe}: header exchange")
             _check_headers(table, world, describe)
             if op == _OP_A2A:
@@ -1218,12 +1252,15 @@ class CopyEngineCommunicator(Communicator):
                 plan = plan_all_to_all(s_in, me, hdr_row)
             else:
                 plan = plan_all_gather(world, me, hdr_row)
+            rec["phase"] = "capacity"
             self._ensure_capacity(slot, plan.need_bytes)
+            rec["phase"] = "pushes"
             failure: BaseException | None = None
             try:
                 if ready is not None:
                     copier.wait_event(ready)
                 if sig is not None:  # every peer's buffer is free (its record, see above)
+                    rec["ev"]["peer free"] = sig.peers("free", idx)
                     for ev in sig.peers("free", idx):
                         copier.wait_event(ev)
                 peers = slot.peers
@@ -1245,8 +1282,10 @@ class CopyEngineCommunicator(Communicator):
                 else:
                     copier.join()
                     copier.record_event(sig.sent[idx])
+                    rec["ev"]["sent"] = sig.sent[idx]
             except BaseException as e:  # noqa: BLE001 - agreed on, then re-raised
                 failure = e
+            rec["phase"] = "completion exchange"
             everyone = self._agree(failure is None, f"{describe}: completion")
             if failure is not None:
                 raise failure
@@ -1254,6 +1293,7 @@ class CopyEngineCommunicator(Communicator):
                 raise RuntimeError("a peer rank failed to deliver its segment")
             if sig is not None:  # every peer's copies into this buffer, on the device
                 if self._mutation != "skip_sent_wait":
+                    rec["ev"]["peer sent"] = sig.peers("sent", idx)
                     for ev in sig.peers("sent", idx):
                         copier.wait_event(ev)
                 self.device_completions += 1
@@ -1266,6 +1306,8 @@ class CopyEngineCommunicator(Communicator):
             done = copier.record(0)
             slot.free_events = [done] if not views else []
             box["done"] = done
+            rec["ev"]["done"] = done
+            rec["phase"] = "issued"
             return make_result(plan, slot)
 
         job = _Job(run, describe)
@@ -1436,6 +1478,24 @@ class CopyEngineCommunicator(Communicator):
         assert isinstance(aw, SegmentsAwaitable)
         return aw
 
+    def stall_report(self) -> str:
+        """This communicator's last jobs, oldest first: sequence number, name, the
+        worker's phase (queued -> buffer free -> header exchange -> capacity -> pushes ->
+        completion exchange -> issued) and each event's state, queried without waiting:
+        ready (the caller's producer), free / sent (this rank's records), peer free /
+        peer sent (the peers' records this rank's copy streams wait on), done (the last
+        copy). For hang diagnosis: a job 'issued' on both ranks with a PENDING peer
+        event points at the device; one stuck in an exchange at the host."""
+        lines = [
+            f"copy engine '{self.name}' rank {self.rank}/{self.world_size}: "
+            f"next seq {self._seq}, completion {self.completion}, "
+            f"stream priority {self.stream_priority}, closed {self._closed}"
+        ]
+        for rec in list(self._trace):
+            evs = ", ".join(f"{k} {_event_state(v)}" for k, v in rec["ev"].items())
+            lines.append(f"  seq {rec['seq']} '{rec['name']}': {rec['phase']}; {evs}")
+        return "\n".join(lines)
+
     def exchange_counts(self, counts: torch.Tensor, name: str = "counts") -> torch.Tensor:
         """Blocking exchange of a ``[W, ...]`` integer count matrix (row d goes to rank d;
         the result's row s came from rank s), through gloo on the host; returned on the
@@ -1485,6 +1545,7 @@ class CopyEngineCommunicator(Communicator):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         if self._thread is not None:
             self._queue.put(_STOP)
             if threading.current_thread() is not self._thread:

@@ -144,10 +144,17 @@ def known_hang_risk(
 
 class StallDump(TrainerHook):
     """``TrainConfig.stall_dump_s``: if no step finishes its optimizer within ``seconds``
-    (counted from the start of training, then from each step's optimizer), write every
-    thread's Python stack to ``file`` (stderr by default) with :mod:`faulthandler` — once
-    per stall, the process keeps running. For hangs: where the training, autograd,
-    data-stage and communicator worker threads of each rank are blocked, long before a
+    (counted from the start of training, then from each step's optimizer), write to
+    ``file`` (stderr by default), once per stall — the process keeps running:
+
+    1. every thread's Python stack (:mod:`faulthandler`: works even if a thread holds
+       the interpreter lock);
+    2. from a Python watchdog thread, the state of every open copy-engine communicator
+       (:func:`freescale.comm.copy_engine.stall_reports`: its last jobs' phases and
+       whether each of their CUDA events — this rank's and the peers' — has completed).
+
+    For hangs: where the training, autograd, data-stage and communicator worker threads
+    of each rank are blocked, and which device-side wait is pending, long before a
     collective's timeout ends the run. Costs one timer re-arm per step."""
 
     def __init__(self, seconds: float, file: Any = None) -> None:
@@ -156,9 +163,16 @@ class StallDump(TrainerHook):
         self.seconds = float(seconds)
         self.file = file if file is not None else sys.stderr
         self.armed = False
+        self.reports = 0  # state reports written (tests)
+        self._deadline = 0.0
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def _arm(self) -> None:
         faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
+        self._deadline = time.monotonic() + self.seconds
+        self._reported = False
         self.armed = True
 
     def cancel(self) -> None:
@@ -166,8 +180,40 @@ class StallDump(TrainerHook):
             faulthandler.cancel_dump_traceback_later()
             self.armed = False
 
+    def close(self) -> None:
+        self.cancel()
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self._thread = None
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.seconds / 4)
+        while not self._stop.wait(poll):
+            if not self.armed or self._reported or time.monotonic() < self._deadline:
+                continue
+            self._reported = True
+            try:
+                from ..comm.copy_engine import stall_reports
+
+                reps = stall_reports()
+            except Exception as e:  # noqa: BLE001 - a report, never a failure
+                reps = [f"(copy-engine state unavailable: {e!r})"]
+            body = "\n".join(reps) if reps else "(no copy-engine communicator open)"
+            print(
+                f"[freescale stall] no step finished in {self.seconds:g} s; "
+                f"communicator state:\n{body}",
+                file=self.file,
+                flush=True,
+            )
+            self.reports += 1
+
     def on_train_start(self, trainer: Trainer) -> None:
         self._arm()
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="freescale-stall", daemon=True)
+            self._thread.start()
 
     def after_optimizer(self, trainer: Trainer, step: int) -> None:
         self._arm()
@@ -1168,7 +1214,7 @@ class Trainer:
         log."""
         for h in self.hooks:
             if isinstance(h, StallDump):
-                h.cancel()
+                h.close()
         comm = getattr(self, "overlap_comm", None)
         if comm is not None and callable(getattr(comm, "close", None)):
             comm.close()
