@@ -400,9 +400,9 @@ class CopyEngineConfig:
       :attr:`CopyEngineCommunicator.handshake_note`).
     * ``stream_priority``: CUDA priority of the copy streams (:func:`copy_stream_priority`:
       ``FREESCALE_COPY_STREAM_PRIORITY`` overrides). Negative (the default, -1) takes them
-      from torch's high-priority stream pool. PyTorch's own Future callbacks (DDP comm
-      hooks' ``then``) and NCCL process groups draw *low*-priority pool streams round
-      robin (32 per device) and make the drawn stream wait on an all-reduce; a copy
+      from torch's high-priority stream pool. NCCL process groups and PyTorch's own Future
+      callbacks draw *low*-priority pool streams round robin (32 per device), and a
+      callback (DDP comm hooks' ``then``) makes its drawn stream wait on the all-reduce; a copy
       stream that holds device-side waits on the peers must not be that stream, or this
       rank's all-reduce ends up in a cross-rank wait chain (suspected in the session-14
       hang, BENCHMARKS.md e2e). The copies run on copy engines, so priority changes no
@@ -1260,8 +1260,8 @@ class CopyEngineCommunicator(Communicator):
                 if ready is not None:
                     copier.wait_event(ready)
                 if sig is not None:  # every peer's buffer is free (its record, see above)
-                    rec["ev"]["peer free"] = sig.peers("free", idx)
-                    for ev in sig.peers("free", idx):
+                    peer_free = rec["ev"]["peer free"] = sig.peers("free", idx)
+                    for ev in peer_free:
                         copier.wait_event(ev)
                 peers = slot.peers
                 k = 0
@@ -1293,8 +1293,8 @@ class CopyEngineCommunicator(Communicator):
                 raise RuntimeError("a peer rank failed to deliver its segment")
             if sig is not None:  # every peer's copies into this buffer, on the device
                 if self._mutation != "skip_sent_wait":
-                    rec["ev"]["peer sent"] = sig.peers("sent", idx)
-                    for ev in sig.peers("sent", idx):
+                    peer_sent = rec["ev"]["peer sent"] = sig.peers("sent", idx)
+                    for ev in peer_sent:
                         copier.wait_event(ev)
                 self.device_completions += 1
             if out is not None:
