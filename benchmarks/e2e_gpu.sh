@@ -40,6 +40,9 @@
 #                                      # that hung at c6be283) with the copy streams in the old
 #                                      # low-priority pool and in the new high-priority one,
 #                                      # stacks dumped after 20 s; then no_balance alone
+#   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
+#                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
+#                                      # of freescale / vanilla within one invocation
 #   bash benchmarks/e2e_gpu.sh prepab  # ~6 min: vanilla, freescale, freescale_local_prepare
 #                                      # (the pre-c39168e rank-local prepare), 2 passes
 #   bash benchmarks/e2e_gpu.sh hang    # ~3 min: freescale_no_balance (hung at ef8d370) with the
@@ -511,6 +514,33 @@ hang2)
     > "$OUT/e2e_hang2_alone.log" 2>&1
   echo "alone rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_alone.log"
   rm -rf "$OUT"/e2e_hang2*/traces "$OUT"/e2e_hang2*/*.png
+  ;;
+rep3)
+  # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between
+  # single-pass runs while vanilla stayed at 6,043-6,063; freescale_no_balance (no balancer)
+  # gave 6,340-6,406 in three runs. Three passes in one invocation, profiler-free, give
+  # the spread of the ratio within one call (per pass, and the median)
+  timeout "${REP3_LIMIT:-560}" $HEAD --out "$OUT/e2e_rep3" --nproc 2 --steps "${REP3_STEPS:-400}" \
+    --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
+    --variants vanilla freescale freescale_no_balance > "$OUT/e2e_rep3.log" 2>&1
+  echo "rep3 rc=$?"
+  python - "$OUT/e2e_rep3/e2e.json" <<'PY' || true
+import json, statistics, sys
+d = json.load(open(sys.argv[1]))
+print("host_calibration", d.get("host_calibration"))
+by = {}
+for r in d["rows"] + d.get("repeat_rows", []):
+    s = r["summary"]; hc = s.get("host_cpu") or {}
+    g = hc.get("by_group_ms_per_step") or {}
+    by.setdefault(r.get("pass"), {})[r["variant"]] = r["qps"]
+    print(r["variant"], r.get("pass"), round(r["qps"]), "wall", round(hc.get("wall_ms_per_step", 0), 1),
+          "train", round(g.get("training", 0), 1), "data", round(g.get("data", 0), 1),
+          "other", round(g.get("other", 0), 1), "ne", r.get("eval_ne"))
+for v in ("freescale", "freescale_no_balance"):
+    rs = [p[v] / p["vanilla"] for p in by.values() if v in p and "vanilla" in p]
+    print(v, "/ vanilla per pass", [round(x, 3) for x in rs], "median", round(statistics.median(rs), 3) if rs else None)
+PY
+  rm -rf "$OUT/e2e_rep3/traces" "$OUT"/e2e_rep3/*.png
   ;;
 prepab)
   # (~6 min) session 14: did c39168e's blocking prepare_backward change freescale's QPS?
