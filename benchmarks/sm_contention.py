@@ -62,7 +62,10 @@ Method (also written into the JSON under "method"):
    NCCL's windows — cancels); a "null" row times an alone window as if it were
    overlapped (alone, then alone again): the method's own bias, reported as
    null_slowdown_at_workload. Session 15 saw saturated slowdowns of -3% (host-staged,
-   GEMM) without it: a bias of that size, not a speed-up.
+   GEMM) without it: a bias of that size, not a speed-up. With it, the null row showed
+   +6% for the GEMM (an alone window right after another one: the bf16 GEMM holds the
+   H200 at its power limit) and ~0 for attention; --cooldown-ms idles the GPU before
+   every timed window so each starts from the same power state.
 5. A probe (separate torchrun job, --no-probe to skip) tries NCCL 2.28's zero-CTA
    copy-engine collectives: ProcessGroupNCCL CTA policy ZERO + symmetric memory on
    the NCCL backend, equal-count all_to_all_single and all_gather_into_tensor; checks
@@ -148,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(rows '<backend>_paced'; needs nccl and the backend in --backends, else dropped)",
     )
     p.add_argument("--no-paced", action="store_true", help="no paced rows")
+    p.add_argument(
+        "--cooldown-ms",
+        type=float,
+        default=0.0,
+        help="idle the GPU this long before every timed window (synchronize, then sleep on "
+        "the host), so each window starts from the same power state: a sustained bf16 GEMM "
+        "runs the H200 at its power limit and a window right after another one is slower",
+    )
     p.add_argument(
         "--paired-alone",
         action="store_true",
@@ -431,6 +442,12 @@ def headline(rows: list[dict], bandwidth: list[dict], workload_bytes: int) -> di
     h["best_paced_at_workload"] = {k: best_paced(c) for k, c in wc.items()}
     # --paired-alone: the method's own bias (an alone window timed as if overlapped);
     # a backend's slowdown is only meaningful beyond this, in either direction
+    # the paced slowdown less the null row's (same position after an alone window)
+    h["slowdown_copy_engine_paced_minus_null_at_workload"] = {
+        k: wc[k]["copy_engine_paced"]["slowdown"] - wc[k]["null"]["slowdown"]
+        for k in wc
+        if "null" in wc[k] and "copy_engine_paced" in wc[k]
+    }
     h["null_slowdown_at_workload"] = {
         k: {q: wc[k]["null"].get(q) for q in ("slowdown", "slowdown_std", "reps")}
         for k in wc
@@ -831,7 +848,15 @@ class Bench:
         info = {"tokens": t, "samples": len(lens), "heads": h, "head_dim": d, "dtype": "bfloat16"}
         return step, info
 
+    def cool(self) -> None:
+        """--cooldown-ms: let the GPU idle before a timed window (same on every rank)."""
+        ms = float(getattr(self.a, "cooldown_ms", 0.0) or 0.0)
+        if ms > 0:
+            torch.cuda.synchronize()
+            time.sleep(ms / 1e3)
+
     def window(self, fn, reps: int) -> float:
+        self.cool()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         for _ in range(reps):
@@ -894,6 +919,8 @@ class Bench:
         """Issue ``n`` transfers on a thread (paced at ``period_ms`` if > 0); optionally
         time a kernel window meanwhile. Returns the transfer intervals and window bounds
         in ms after a reference event."""
+        if kernel is not None:
+            self.cool()
         ref = torch.cuda.Event(enable_timing=True)
         ref.record()
         torch.cuda.synchronize()

@@ -326,3 +326,18 @@ def test_smoke_paired_alone_writes_null_rows(tmp_path):
     assert all(r["paired_alone"] for r in d["rows"])
     assert set(d["headline"]["null_slowdown_at_workload"]) == {"gemm", "attention"}
     assert "paired_alone" in d["method"]
+
+
+def test_headline_paced_minus_null():
+    def row(b, slow, moved):
+        over = [10.0 * (1 + slow)] * 3
+        return smc.make_row("attention", WL, b, [10.0] * 3, over, [moved] * 3, [1.0] * 3,
+                            paired_alone_ms=[10.0] * 3)  # fmt: skip
+
+    rows = [row("nccl", 0.05, 1e9), row("copy_engine_paced", 0.03, 0.9e9), row("null", 0.01, 0)]
+    smc.normalise_cells(rows)
+    h = smc.headline(rows, [], WL)
+    assert h["slowdown_copy_engine_paced_minus_null_at_workload"] == {
+        "attention": pytest.approx(0.02)
+    }
+    assert h["null_slowdown_at_workload"]["attention"]["slowdown"] == pytest.approx(0.01)
