@@ -61,6 +61,8 @@
 #                                      # vanilla, freescale, freescale_pinned, vanilla_pinned,
 #                                      # 500 steps, 2 passes; prints the host's CPU topology
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
+#   bash benchmarks/e2e_gpu.sh smc5    # ~4.5 min: sm_contention.py paced + paired + 100 ms cool-down
+#                                      # (issue 6's canonical since session 15)
 #   bash benchmarks/e2e_gpu.sh smc2    # ~2.5 min: smc with --reps 15, no NCCL probe, SM clocks and
 #                                      # power sampled by nvidia-smi into smc2/clocks.csv
 #   bash benchmarks/e2e_gpu.sh gloo    # ~40 s: gloo_host.py (gloo latency and bandwidth; does a
@@ -336,6 +338,17 @@ smc)
     --out "$OUT/smc" --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/smc.log" 2>&1
   echo "sm_contention rc=$?"; tail -30 "$OUT/smc.log"
   rm -f "$OUT"/smc/*.png
+  ;;
+smc5)
+  # (~4.5 min) issue 6, session 15's canonical: the copy engine paced to NCCL's byte rate
+  # (copy_engine_paced, on by default), each overlapped window paired with its own alone
+  # window plus a null row (the method's bias), and 100 ms of GPU idle before every timed
+  # window (without it the GEMM's null row was +6%: the GEMM runs at the power limit)
+  mkdir -p "$OUT/smc5"
+  timeout 400 python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \
+    --out "$OUT/smc5" --git-sha "${FREESCALE_GIT_SHA:-}" --reps 15 --no-probe --paired-alone \
+    --cooldown-ms 100 --time-budget-s 260 --total-budget-s 300 > "$OUT/smc5.log" 2>&1
+  echo "sm_contention rc=$?"
   ;;
 smc2)
   # (~2.5 min) issue 6 again with 3x the repetitions (the worst ratio cell at 1165645 was

@@ -5,6 +5,9 @@ Launch (2 GPUs of one node, about 2-3 minutes)::
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \\
         --out DIR --git-sha SHA
 
+The method of the canonical figure (session 15; about 4 minutes, bias measured at
+0.05%) adds ``--reps 15 --no-probe --paired-alone --cooldown-ms 100``.
+
 CPU smoke check (argument parsing, the accounting, JSON and plot writing on synthetic
 timings; no torch.distributed, no CUDA)::
 
