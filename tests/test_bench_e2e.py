@@ -147,7 +147,12 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert report["headline"]["ne_rel_diff"] <= F64_TOL
     assert 0.0 < report["headline"]["ne_noise_floor"] <= F64_TOL  # the reordering is real
     samples = report["headline"]["ne_noise_floor_samples"]
-    assert set(samples) == set(reordered) and min(samples.values()) > 0.0  # both are real
+    # the reorderings are real: at least one moves the final NE, and the two differ from
+    # each other (below). In float64 at this size the distances are a few ulps, so one
+    # reordering can land on vanilla's bits at every eval: on session 15's CI machine
+    # vanilla_reordered_b did (its vector kernels round differently from session 14's)
+    assert set(samples) == set(reordered) and max(samples.values()) > 0.0
+    assert any(rows[name]["ne_curve"] != van["ne_curve"] for name in reordered)
     assert report["headline"]["ne_noise_floor"] == max(samples.values())
     assert rows["vanilla_reordered"]["ne_curve"] != rows["vanilla_reordered_b"]["ne_curve"]
     # the cross-rank floor: vanilla with samples moved across ranks (costs ignored)
