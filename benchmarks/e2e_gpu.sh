@@ -344,11 +344,19 @@ smc5)
   # (copy_engine_paced, on by default), each overlapped window paired with its own alone
   # window plus a null row (the method's bias), and 100 ms of GPU idle before every timed
   # window (without it the GEMM's null row was +6%: the GEMM runs at the power limit)
+  # SMC5_CLOCKS=1: SM clock and power sampled every 100 ms alongside (is the paced copy
+  # engine's GEMM slowdown a clock drop? the rows' finished_unix line up with the CSV)
   mkdir -p "$OUT/smc5"
+  if [ "${SMC5_CLOCKS:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+      --format=csv,noheader -lms 100 > "$OUT/smc5/clocks.csv" 2>/dev/null &
+    smi=$!
+  fi
   timeout 400 python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \
     --out "$OUT/smc5" --git-sha "${FREESCALE_GIT_SHA:-}" --reps 15 --no-probe --paired-alone \
     --cooldown-ms 100 --time-budget-s 260 --total-budget-s 300 > "$OUT/smc5.log" 2>&1
   echo "sm_contention rc=$?"
+  [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
   ;;
 smc2)
   # (~2.5 min) issue 6 again with 3x the repetitions (the worst ratio cell at 1165645 was
