@@ -444,8 +444,8 @@ def headline(rows: list[dict], bandwidth: list[dict], workload_bytes: int) -> di
         }
     h["best_paced_at_workload"] = {k: best_paced(c) for k, c in wc.items()}
     # --paired-alone: the method's own bias (an alone window timed as if overlapped);
-    # a backend's slowdown is only meaningful beyond this, in either direction
-    # the paced slowdown less the null row's (same position after an alone window)
+    # a backend's slowdown is only meaningful beyond this, in either direction. The
+    # paced slowdown less the null row's (both timed right after an alone window):
     h["slowdown_copy_engine_paced_minus_null_at_workload"] = {
         k: wc[k]["copy_engine_paced"]["slowdown"] - wc[k]["null"]["slowdown"]
         for k in wc
