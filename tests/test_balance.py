@@ -512,11 +512,44 @@ def _run_cases(comm: Communicator) -> None:
             assert tot.tolist() == [plan.samples_moved, plan.samples_moved]
             if huge and world > 2:  # one dominant sample: VBS leaves ranks empty
                 assert (plan.assignment.counts == 0).any()
+    # samples that stay home skip the all-to-all (coordinator._exchange): rank-major ids,
+    # equal counts, one swap between the last two ranks; the other ranks keep their whole
+    # batch (returned as is), the last two merge kept and received samples on both sides
+    _run_swap_edge(comm)
     # single-key batches, no timestamps, balance() convenience
     coord = BalanceCoordinator(comm, Planner(BalanceConfig(partitioner="kk"), world, rank))
     w = make_world(world, counts, 77, seed=5, keys=("uih",), with_extras=False)
     out, plan = coord.balance(w[rank])
     assert_batches_identical(out, expected_local(w, plan, rank))
+
+
+def swap_edge(costs: np.ndarray, world_size: int, *, sort_key=None) -> Assignment:
+    """Test partitioner: the home placement (equal contiguous runs) with the last sample
+    of rank W-2 and the first of rank W-1 swapped."""
+    a = identity(costs, world_size)
+    rank_of = a.rank_of.copy()
+    if world_size > 1:
+        x, y = int(a.offsets[world_size - 1]) - 1, int(a.offsets[world_size - 1])
+        rank_of[x], rank_of[y] = rank_of[y], rank_of[x]
+    return Assignment.from_ranks(rank_of, world_size)
+
+
+def _run_swap_edge(comm: Communicator) -> None:
+    if "test_swap_edge" not in PARTITIONERS:
+        register_partitioner("test_swap_edge", swap_edge)
+    rank, world = comm.rank, comm.world_size
+    planner = Planner(BalanceConfig(partitioner="test_swap_edge"), world, rank)
+    coord = BalanceCoordinator(comm, planner, CoordinatorConfig(verify_plans=True))
+    n = 5
+    w = [make_batch(900 + r, n, torch.arange(r * n, (r + 1) * n), 3) for r in range(world)]
+    out, plan = coord.balance(w[rank])
+    assert plan.samples_moved == 2
+    assert_batches_identical(out, expected_local(w, plan, rank))
+    st = coord.last_stats
+    moved = rank >= world - 2
+    assert (st.samples_sent, st.samples_received) == ((1, 1) if moved else (0, 0))
+    if not moved:
+        assert out is w[rank]  # nothing left or arrived: the local batch, no copy
 
 
 def _worker(rank: int, world: int, init: str) -> None:

@@ -212,11 +212,21 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_gloo_handshake", "freescale_deferred_metrics"}
     others |= {"freescale_shadow_balance", "freescale_no_balance"}  # the balancer only
     others |= {"freescale_local_prepare"}  # prepare_blocks forced off after construction
+    others |= {"freescale_sticky", "balance_sticky"}  # another partitioner only
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"
     assert got == dataclasses.replace(ref0, copy_engine_handshake="gloo", log_path=got.log_path)
+    from freescale.pipeline.bench_e2e import _SPEC
+
+    for diag, twin in (("freescale_sticky", "freescale"), ("balance_sticky", "balance_fbs")):
+        assert _SPEC[diag] == (_SPEC[twin][0], "sticky") and _SPEC[twin][1] == "fbs"
+        got, ref = (
+            _variant_cfg(base, diag, _SPEC[diag][0]),
+            _variant_cfg(base, twin, _SPEC[twin][0]),
+        )
+        assert got == dataclasses.replace(ref, log_path=got.log_path)
     got = _variant_cfg(base, "freescale_deferred_metrics", "prioritized")
     assert got.defer_metrics and not ref0.defer_metrics
     assert got == dataclasses.replace(ref0, defer_metrics=True, log_path=got.log_path)
@@ -355,3 +365,22 @@ def test_balance_diagnostics_run_and_differ_only_in_balancing(pool2):
     shadow, plain = rows["freescale_shadow_balance"], rows["freescale_no_balance"]
     assert shadow["ne_curve"] == plain["ne_curve"]  # nothing moved: the same training
     assert shadow["activity"]["prioritized_steps"] > 0
+
+
+def test_e2e_sticky_partitioner_tier2(pool2):
+    """The sticky diagnostics (another balancing partitioner): a legal reordering within
+    tier 2 of vanilla (float64), balancing really ran (samples moved), and it moved fewer
+    samples than fbs on the same data while prioritized stayed active."""
+    variants = ["vanilla", "balance_fbs", "balance_sticky", "freescale_sticky"]
+    res = pool2.run(_e2e, e2e_config(), variants)
+    rows = {r["variant"]: r for r in res[0]["rows"]}
+    van = rows["vanilla"]
+    for name in ("balance_sticky", "freescale_sticky"):
+        for p, q in zip(rows[name]["ne_curve"], van["ne_curve"], strict=True):
+            assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
+        assert rows[name]["balance"] == "sticky"
+    moved = {n: rows[n]["activity"]["samples_moved"] for n in variants[1:]}
+    assert 0 < moved["balance_sticky"] < moved["balance_fbs"], moved
+    assert moved["freescale_sticky"] == moved["balance_sticky"], moved  # same data, plans
+    a = rows["freescale_sticky"]["activity"]
+    assert a["prioritized_steps"] > 0 and a["deferred_rows"] > 0, a

@@ -28,6 +28,7 @@ order).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
@@ -339,6 +340,11 @@ class PendingBalance:
     def _exchange(
         self, meta: GlobalMetadata, plan: Plan, layout: np.ndarray
     ) -> tuple[JaggedBatch, int, int, int, int]:
+        """Move the planned samples. Samples that stay on this rank never enter the
+        all-to-all: only the movers are selected, packed and sent; the kept samples are
+        taken from the local batch and merged with the received ones in canonical order.
+        The result is bit for bit what a round trip through the all-to-all gives (the
+        int64 carrier is exact; lengths, candidate counts and ids come back as int64)."""
         comm, batch = self._c.comm, self.batch
         me, w = comm.rank, comm.world_size
         a = plan.assignment
@@ -351,19 +357,21 @@ class PendingBalance:
                 f"balance step {self.step} on rank {me}: local batch has keys {keys}, the "
                 f"other ranks' batches have {int(layout[_H_KEYS])} keys"
             )
-        # ---- send side: my samples, destination-major, ascending id per destination
+        # ---- send side: my samples that leave, destination-major, ascending per dest
         mine = np.flatnonzero(meta.home_rank == me)
         dest = a.rank_of[mine]
+        away = dest != me
+        leave, dest = mine[away], dest[away]
         o = np.argsort(dest, kind="stable")
         send_counts = np.bincount(dest, minlength=w).astype(np.int64)
         sb = np.zeros(w + 1, dtype=np.int64)
         np.cumsum(send_counts, out=sb[1:])
-        if mine.size == 0:  # nothing to send; the local batch may lack optional fields
+        if leave.size == 0:  # nothing to send; the local batch may lack optional fields
             sel = JaggedBatch.empty(keys, step=batch.step, device=dev)
             sel.timestamps = {key: sel.uih[key] for key in keys}
             sel.true_probs = torch.zeros(0, dtype=torch.float64, device=dev)
         else:
-            sel = batch.select(torch.from_numpy(meta.home_pos[mine[o]]).to(dev))
+            sel = batch.select(torch.from_numpy(meta.home_pos[leave[o]]).to(dev))
         fields: list[torch.Tensor] = [sel.sample_ids]
         sizes: list[np.ndarray] = [send_counts]
         for key in keys:
@@ -389,17 +397,61 @@ class PendingBalance:
         # ---- receive side: sizes known from the gathered metadata
         recv_g = a.samples_of(me)
         src = meta.home_rank[recv_g]
+        home = src == me
+        kept_g, arrive, src = recv_g[home], recv_g[~home], src[~home]
         o2 = np.argsort(src, kind="stable")
-        recv_sorted = recv_g[o2]
+        recv_sorted = arrive[o2]
         recv_counts = np.bincount(src, minlength=w).astype(np.int64)
-        comp = np.bincount(src, weights=meta.lengths[recv_g], minlength=w).astype(np.int64)
-        cand = np.bincount(src, weights=meta.num_candidates[recv_g], minlength=w).astype(np.int64)
+        comp = np.bincount(src, weights=meta.lengths[arrive], minlength=w).astype(np.int64)
+        cand = np.bincount(src, weights=meta.num_candidates[arrive], minlength=w).astype(np.int64)
         r_cols = [recv_counts] * (1 + len(keys)) + [comp] * (1 + has_ts) + [cand] * (2 + has_p)
         r_mat = np.stack(r_cols, axis=1)  # [W sources, F']
         out_splits = r_mat.sum(1)
+        # every rank joins the all-to-all (a collective), even with nothing to move
         recv_buf = comm.all_to_all_v(
             send_buf, in_splits.tolist(), out_splits.tolist(), name=f"{self._c.config.name}:samples"
         ).wait()
+        pieces: list[tuple[np.ndarray, JaggedBatch]] = []
+        if recv_sorted.size or not kept_g.size:  # (an empty result: typed like received)
+            received, q = self._unpack(recv_buf, r_mat, recv_counts, meta, recv_sorted, layout)
+            # source-major: the sources below me come before my kept samples
+            lo, hi = _split_batch(
+                received, int(recv_counts[:me].sum()), q[:me].sum(0), cand[:me].sum()
+            )
+            n_lo = lo.batch_size
+            pieces += [(recv_sorted[:n_lo], lo), (recv_sorted[n_lo:], hi)]
+        if kept_g.size:
+            at = 1 if recv_sorted.size else 0
+            pieces[at:at] = [(g, _as_received(b)) for g, b in _kept(batch, kept_g, meta)]
+        pieces = [(g, b) for g, b in pieces if g.size] or pieces[:1]
+        order = np.concatenate([g for g, _ in pieces])
+        out = pieces[0][1] if len(pieces) == 1 else JaggedBatch.concat([b for _, b in pieces])
+        if order.size > 1 and not bool((order[1:] > order[:-1]).all()):
+            out = out.select(torch.from_numpy(np.argsort(order, kind="stable")).to(dev))
+        out.extras = dict(batch.extras)
+        row = 8
+        return (
+            out,
+            int(send_counts.sum()),
+            int(recv_counts.sum()),
+            int(in_splits.sum()) * row,
+            int(out_splits.sum()) * row,
+        )
+
+    def _unpack(
+        self,
+        recv_buf: torch.Tensor,
+        r_mat: np.ndarray,
+        recv_counts: np.ndarray,
+        meta: GlobalMetadata,
+        recv_sorted: np.ndarray,
+        layout: np.ndarray,
+    ) -> tuple[JaggedBatch, np.ndarray]:
+        """The received samples (source-major, ascending within a source) as a batch,
+        and their UIH tokens per (source, key)."""
+        me, w = self._c.comm.rank, self._c.comm.world_size
+        keys, dev = self.batch.keys, self.batch.device
+        has_ts, has_p = layout[_H_TS] > 0, layout[_H_PROB] > 0
         by_field = torch.split(_transpose_blocks(recv_buf, r_mat), r_mat.sum(0).tolist())
         ids = by_field[0]
         expect = torch.from_numpy(meta.sample_ids[recv_sorted]).to(dev)
@@ -435,23 +487,97 @@ class PendingBalance:
             labels=labels,
             timestamps=ts,
             true_probs=probs,
-            step=batch.step,
-            extras=dict(batch.extras),
+            step=self.batch.step,
         )
-        inv = np.empty_like(o2)
-        inv[o2] = np.arange(o2.size)
-        if not np.array_equal(inv, np.arange(inv.size)):
-            received = received.select(torch.from_numpy(inv).to(dev))
-        row = 8
-        sent = int(send_counts.sum() - send_counts[me])
-        got = int(recv_counts.sum() - recv_counts[me])
-        return (
-            received,
-            sent,
-            got,
-            int(in_splits.sum() - in_splits[me]) * row,
-            int(out_splits.sum() - out_splits[me]) * row,
-        )
+        return received, q
+
+
+def _as_received(b: JaggedBatch) -> JaggedBatch:
+    """Kept samples with the dtypes the all-to-all gives the received ones (ids, UIH
+    lengths and candidate counts travel as int64); a no-op where they are int64."""
+    i64 = torch.int64
+    if (
+        b.sample_ids.dtype == i64
+        and b.num_candidates.dtype == i64
+        and all(v.dtype == i64 for v in b.uih_lengths.values())
+    ):
+        return b
+    return dataclasses.replace(
+        b,
+        sample_ids=b.sample_ids.to(i64),
+        uih_lengths={k: v.to(i64) for k, v in b.uih_lengths.items()},
+        num_candidates=b.num_candidates.to(i64),
+    )
+
+
+# kept samples in at most this many runs of consecutive local positions are taken as
+# views of the local batch (one copy, in the final concat); more runs: one select
+_KEPT_MAX_RUNS = 32
+
+
+def _kept(
+    batch: JaggedBatch, kept_g: np.ndarray, meta: GlobalMetadata
+) -> list[tuple[np.ndarray, JaggedBatch]]:
+    """The samples ``kept_g`` (canonical indices, ascending) of the local batch, as
+    ``(canonical indices, batch)`` pieces: the whole batch when all stay; views of runs of
+    consecutive positions when they are few and the batch is on the host (a partitioner
+    that moves few samples, e.g. sticky, leaves a handful); else one select."""
+    pos = meta.home_pos[kept_g]
+    n = pos.size
+    if n == batch.batch_size and bool((pos == np.arange(n)).all()):
+        return [(kept_g, batch)]
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    if batch.device.type == "cpu" and cuts.size < _KEPT_MAX_RUNS and bool((np.diff(pos) > 0).all()):
+        starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [n]))
+        tok = {
+            k: np.concatenate(([0], np.cumsum(v.numpy(), dtype=np.int64)))
+            for k, v in batch.uih_lengths.items()
+        }
+        cnd = np.concatenate(([0], np.cumsum(batch.num_candidates.numpy(), dtype=np.int64)))
+        out = []
+        for a, z in zip(starts, ends):
+            lo, hi = int(pos[a]), int(pos[z - 1]) + 1
+            spans = {k: (int(t[lo]), int(t[hi])) for k, t in tok.items()}
+            out.append((kept_g[a:z], _view(batch, lo, hi, spans, (int(cnd[lo]), int(cnd[hi])))))
+        return out
+    return [(kept_g, batch.select(torch.from_numpy(pos).to(batch.device)))]
+
+
+def _view(
+    b: JaggedBatch, lo: int, hi: int, tokens: dict[str, tuple[int, int]], cands: tuple[int, int]
+) -> JaggedBatch:
+    """Samples ``lo .. hi-1`` of ``b`` as views: ``tokens[k]`` is their UIH token range of
+    key k, ``cands`` their candidate range (known by the caller: no device read here)."""
+    c = slice(*cands)
+    return JaggedBatch(
+        sample_ids=b.sample_ids[lo:hi],
+        uih={k: v[slice(*tokens[k])] for k, v in b.uih.items()},
+        uih_lengths={k: v[lo:hi] for k, v in b.uih_lengths.items()},
+        candidates=b.candidates[c],
+        num_candidates=b.num_candidates[lo:hi],
+        labels=b.labels[c],
+        timestamps=None
+        if b.timestamps is None
+        else {k: v[slice(*tokens[k])] for k, v in b.timestamps.items()},
+        true_probs=None if b.true_probs is None else b.true_probs[c],
+        step=b.step,
+        extras=b.extras,
+    )
+
+
+def _split_batch(
+    b: JaggedBatch, n: int, tokens: np.ndarray, cands: int
+) -> tuple[JaggedBatch, JaggedBatch]:
+    """``b``'s first ``n`` samples and the rest, as views (no copy, no device read):
+    ``tokens[k]`` UIH tokens of key k and ``cands`` candidates belong to the first part."""
+    total = {k: int(v.numel()) for k, v in b.uih.items()}
+    first = {k: (0, int(t)) for k, t in zip(b.keys, tokens)}
+    rest = {k: (int(t), total[k]) for k, t in zip(b.keys, tokens)}
+    nc = int(b.candidates.numel())
+    return (
+        _view(b, 0, n, first, (0, int(cands))),
+        _view(b, n, b.batch_size, rest, (int(cands), nc)),
+    )
 
 
 class BalanceCoordinator:

@@ -55,7 +55,11 @@ exchange; the batches of prioritized); ``freescale_no_balance``: freescale witho
 balancer (prioritized with the SM-free overlap backend) — with ``prioritized``,
 ``balance_fbs`` and ``freescale`` they separate what balancing costs a host-bound step
 (session 13: each technique alone beat vanilla, the combination did not);
-``freescale_local_prepare``: freescale with ``prepare_backward`` deciding by its
+``freescale_sticky``, ``balance_sticky``: freescale and balance_fbs with the ``sticky``
+partitioner instead of ``fbs`` (equal counts by swaps from the home placement: a few
+samples move instead of about half, and the samples that stay skip the exchange; a
+legal reordering, tier 2, not the same bits as fbs); ``freescale_local_prepare``:
+freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
 ``c39168e``; same bits): what that change costs or gains. With the balancer it has
 run thousands of steps; prioritized + copy engine without a balancer hung with either
@@ -140,6 +144,8 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_shadow_balance",
     "freescale_no_balance",
     "freescale_local_prepare",
+    "freescale_sticky",
+    "balance_sticky",
 )
 # diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
 _LOCAL_PREPARE = ("freescale_local_prepare",)
@@ -183,6 +189,8 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_shadow_balance": ("prioritized", "fbs"),
     "freescale_no_balance": ("prioritized", None),
     "freescale_local_prepare": ("prioritized", "fbs"),
+    "freescale_sticky": ("prioritized", "sticky"),
+    "balance_sticky": ("vanilla", "sticky"),
 }
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
