@@ -35,7 +35,11 @@ from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
 from kernels import _git_sha  # noqa: E402
 
 
-def _rank(rank: int, world: int, port: int, q: Any, partitioners: list[str], batches: int) -> None:
+def _rank(
+    rank: int, world: int, port: int, q: Any, partitioners: list[str], batches: int, src: str
+) -> None:
+    if src:  # the code under test (a fresh spawned process: nothing imported yet)
+        sys.path.insert(0, src)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -98,26 +102,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitioners", nargs="+", default=["fbs", "sticky"])
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=2, help="A B / B A ... over --code")
+    ap.add_argument(
+        "--code",
+        action="append",
+        default=None,
+        metavar="NAME=SRC[:PARTITIONER,...]",
+        help="code under test: a name, its src folder, optionally its partitioners "
+        "(default: this tree's src with --partitioners); repeat for an A/B in one run",
+    )
     ap.add_argument("--git-sha", default=os.environ.get("FREESCALE_GIT_SHA"))
-    ap.add_argument("--label", default="", help="a name for the code under test (A/B)")
     a = ap.parse_args(argv)
-    res = spawn_ranks(_rank, a.world, a.partitioners, a.batches)
-    rows = res["rows"]
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    codes = []
+    for spec in a.code or [f"this tree={here}"]:
+        name, _, rest = spec.partition("=")
+        path, _, parts = rest.partition(":")
+        codes.append((name, path, parts.split(",") if parts else a.partitioners))
+    rows = []
+    for p in range(a.passes):
+        for name, path, parts in codes if p % 2 == 0 else codes[::-1]:
+            res = spawn_ranks(_rank, a.world, parts, a.batches, path)
+            for r in res["rows"]:
+                rows.append({**r, "code": name, "code_path": res["code"], "pass": p})
+    by: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        r["code"] = a.label or res["code"]
-    by = {}
-    for r in rows:
-        by.setdefault(r["partitioner"], []).append(r)
-    headline = {
-        f"{p}_cpu_ms_per_batch_rank_mean": statistics.mean(r["cpu_ms_per_batch"] for r in rs)
-        for p, rs in by.items()
-    }
-    headline.update(
-        {f"{p}_samples_moved_per_batch": rs[0]["samples_moved_per_batch"] for p, rs in by.items()}
-    )
-    headline.update(
-        {f"{p}_straggler_share_planned": rs[0]["straggler_share_planned"] for p, rs in by.items()}
-    )
+        by.setdefault((r["code"], r["partitioner"]), []).append(r)
+    headline: dict[str, Any] = {}
+    for (code, part), rs in by.items():
+        key = f"{code}:{part}"
+        headline[f"{key}:cpu_ms_per_batch"] = statistics.median(r["cpu_ms_per_batch"] for r in rs)
+        headline[f"{key}:wall_ms_per_batch"] = statistics.median(r["wall_ms_per_batch"] for r in rs)
+        headline[f"{key}:samples_moved_per_batch"] = rs[0]["samples_moved_per_batch"]
+        headline[f"{key}:straggler_share_planned"] = rs[0]["straggler_share_planned"]
+    first = codes[0][0]
+    for code, part in by:  # A/B in one run: each code's CPU over the first code's
+        base = headline.get(f"{first}:{part}:cpu_ms_per_batch")
+        if code != first and base:
+            cpu = headline[f"{code}:{part}:cpu_ms_per_batch"]
+            headline[f"{code}:{part}:cpu_ratio_vs_{first}"] = cpu / base
     report = {
         **host_figure_header("balance_host", _git_sha(a.git_sha)),
         "workload": "2 gloo ranks x 128 samples, max UIH 16K, median 1K, 1M items, Zipf 0.6",
@@ -126,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for r in rows:
         print(
-            f"{r['code'][-40:]:>40} {r['partitioner']:>8} rank {r['rank']}: "
+            f"{r['code'][-24:]:>24} pass {r['pass']} {r['partitioner']:>8} rank {r['rank']}: "
             f"cpu {r['cpu_ms_per_batch']:6.2f} ms/batch, wall {r['wall_ms_per_batch']:6.2f}, "
             f"plan {r['planning_ms_per_batch']:5.2f}, "
             f"moved {r['samples_moved_per_batch']:6.1f} of {r['samples_per_batch']}, "

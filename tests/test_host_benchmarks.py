@@ -66,3 +66,23 @@ def test_sm_contention_smoke_writes_its_figure(tmp_path):
     d = _figure(tmp_path / "sm_contention.json")
     assert d["rows"] and all(r["finished_unix"] > 0 for r in d["rows"])
     assert "smfree_vs_nccl_slowdown_ratio" in d["headline"]
+
+
+@pytest.mark.timeout(300)
+def test_balance_host_ab_writes_its_figure(tmp_path):
+    import balance_host
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    argv = ["--batches", "2", "--passes", "2", "--out", str(tmp_path)]
+    argv += ["--code", f"a={src}:fbs", "--code", f"b={src}:fbs,sticky"]
+    assert balance_host.main(argv) == 0
+    d = _figure(tmp_path / "balance_host.json")
+    got = {(r["code"], r["partitioner"], r["pass"]) for r in d["rows"]}
+    assert got == {
+        (c, p, n) for n in (0, 1) for c, p in [("a", "fbs"), ("b", "fbs"), ("b", "sticky")]
+    }
+    h = d["headline"]
+    assert "b:fbs:cpu_ratio_vs_a" in h and "b:sticky:cpu_ratio_vs_a" not in h
+    # the same code and data on both sides: the same plans (timings are not asserted)
+    assert h["a:fbs:samples_moved_per_batch"] == h["b:fbs:samples_moved_per_batch"] > 0
+    assert 0 < h["b:sticky:samples_moved_per_batch"] < h["b:fbs:samples_moved_per_batch"]
