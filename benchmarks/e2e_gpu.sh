@@ -40,6 +40,10 @@
 #                                      # that hung at c6be283) with the copy streams in the old
 #                                      # low-priority pool and in the new high-priority one,
 #                                      # stacks dumped after 20 s; then no_balance alone
+#   bash benchmarks/e2e_gpu.sh sticky  # ~7 min: vanilla, freescale, freescale_sticky, 400 steps,
+#                                      # profiler-free, 3 passes: does the sticky partitioner's
+#                                      # smaller host cost (balance_host.json) show, and does it
+#                                      # balance real step times (straggler share) as well as fbs?
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -535,6 +539,31 @@ hang2)
     > "$OUT/e2e_hang2_alone.log" 2>&1
   echo "alone rc=$?"; grep -c "Timeout (" "$OUT/e2e_hang2_alone.log"
   rm -rf "$OUT"/e2e_hang2*/traces "$OUT"/e2e_hang2*/*.png
+  ;;
+sticky)
+  # (~7 min) session 15: the sticky partitioner (equal-count swaps from home; 2.4 samples
+  # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
+  timeout "${STICKY_LIMIT:-560}" $HEAD --out "$OUT/e2e_sticky" --nproc 2 --steps "${STICKY_STEPS:-400}" \
+    --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
+    --variants vanilla freescale freescale_sticky > "$OUT/e2e_sticky.log" 2>&1
+  echo "sticky rc=$?"
+  python - "$OUT/e2e_sticky/e2e.json" <<'PY' || true
+import json, statistics, sys
+d = json.load(open(sys.argv[1]))
+print("host_calibration", d.get("host_calibration"))
+by = {}
+for r in d["rows"] + d.get("repeat_rows", []):
+    s = r["summary"]; hc = s.get("host_cpu") or {}; g = hc.get("by_group_ms_per_step") or {}
+    dt = (s.get("data_thread") or {}).get("phases_ms") or {}
+    by.setdefault(r.get("pass"), {})[r["variant"]] = r["qps"]
+    print(r["variant"], r.get("pass"), round(r["qps"]), "straggler", round(r["straggler_share_median"], 4),
+          "moved", r["activity"].get("samples_moved"), "balancer ms", round(dt.get("hook:BalanceHook", 0), 2),
+          "data", round(g.get("data", 0), 1), "other", round(g.get("other", 0), 1), "ne", r.get("eval_ne"))
+for v in ("freescale", "freescale_sticky"):
+    rs = [p[v] / p["vanilla"] for p in by.values() if v in p and "vanilla" in p]
+    print(v, "/ vanilla per pass", [round(x, 3) for x in rs], "median", round(statistics.median(rs), 3) if rs else None)
+PY
+  rm -rf "$OUT/e2e_sticky/traces" "$OUT"/e2e_sticky/*.png
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between
