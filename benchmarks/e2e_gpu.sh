@@ -547,22 +547,7 @@ sticky)
     --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
     --variants vanilla freescale freescale_sticky > "$OUT/e2e_sticky.log" 2>&1
   echo "sticky rc=$?"
-  python - "$OUT/e2e_sticky/e2e.json" <<'PY' || true
-import json, statistics, sys
-d = json.load(open(sys.argv[1]))
-print("host_calibration", d.get("host_calibration"))
-by = {}
-for r in d["rows"] + d.get("repeat_rows", []):
-    s = r["summary"]; hc = s.get("host_cpu") or {}; g = hc.get("by_group_ms_per_step") or {}
-    dt = (s.get("data_thread") or {}).get("phases_ms") or {}
-    by.setdefault(r.get("pass"), {})[r["variant"]] = r["qps"]
-    print(r["variant"], r.get("pass"), round(r["qps"]), "straggler", round(r["straggler_share_median"], 4),
-          "moved", r["activity"].get("samples_moved"), "balancer ms", round(dt.get("hook:BalanceHook", 0), 2),
-          "data", round(g.get("data", 0), 1), "other", round(g.get("other", 0), 1), "ne", r.get("eval_ne"))
-for v in ("freescale", "freescale_sticky"):
-    rs = [p[v] / p["vanilla"] for p in by.values() if v in p and "vanilla" in p]
-    print(v, "/ vanilla per pass", [round(x, 3) for x in rs], "median", round(statistics.median(rs), 3) if rs else None)
-PY
+  python benchmarks/e2e_passes.py "$OUT/e2e_sticky/e2e.json" || true
   rm -rf "$OUT/e2e_sticky/traces" "$OUT"/e2e_sticky/*.png
   ;;
 rep3)
@@ -574,22 +559,7 @@ rep3)
     --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
     --variants vanilla freescale freescale_no_balance > "$OUT/e2e_rep3.log" 2>&1
   echo "rep3 rc=$?"
-  python - "$OUT/e2e_rep3/e2e.json" <<'PY' || true
-import json, statistics, sys
-d = json.load(open(sys.argv[1]))
-print("host_calibration", d.get("host_calibration"))
-by = {}
-for r in d["rows"] + d.get("repeat_rows", []):
-    s = r["summary"]; hc = s.get("host_cpu") or {}
-    g = hc.get("by_group_ms_per_step") or {}
-    by.setdefault(r.get("pass"), {})[r["variant"]] = r["qps"]
-    print(r["variant"], r.get("pass"), round(r["qps"]), "wall", round(hc.get("wall_ms_per_step", 0), 1),
-          "train", round(g.get("training", 0), 1), "data", round(g.get("data", 0), 1),
-          "other", round(g.get("other", 0), 1), "ne", r.get("eval_ne"))
-for v in ("freescale", "freescale_no_balance"):
-    rs = [p[v] / p["vanilla"] for p in by.values() if v in p and "vanilla" in p]
-    print(v, "/ vanilla per pass", [round(x, 3) for x in rs], "median", round(statistics.median(rs), 3) if rs else None)
-PY
+  python benchmarks/e2e_passes.py "$OUT/e2e_rep3/e2e.json" || true
   rm -rf "$OUT/e2e_rep3/traces" "$OUT"/e2e_rep3/*.png
   ;;
 prepab)
