@@ -48,11 +48,11 @@ def moved(a: Assignment, n: int, w: int) -> int:
     return int((a.rank_of != identity(np.zeros(n), w).rank_of).sum())
 
 
-def reference_sticky(costs: np.ndarray, w: int, tol: float = 2e-3, max_swaps=None):
+def reference_sticky(costs: np.ndarray, w: int, tol: float = 2e-3, max_swaps=None, home=None):
     """The greedy spelled out one swap at a time over all (a, b) pairs (slow)."""
     c = np.asarray(costs, dtype=np.float64) + 0.0
     n = c.size
-    rank_of = identity(c, w).rank_of.copy()
+    rank_of = (identity(c, w) if home is None else home).rank_of.copy()
     loads = np.bincount(rank_of, weights=c, minlength=w)
     mean = math.fsum(loads.tolist()) / w
     swaps = 0
@@ -284,3 +284,56 @@ def test_cli_lists_sticky():
     p = argparse.ArgumentParser()
     add_balance_flags(p)
     assert p.parse_args(["--balance", "sticky"]).balance == "sticky"
+
+
+# ------------------------------------------------------------ an explicit home
+@pytest.mark.parametrize("seed", range(6))
+def test_explicit_home_any_counts_matches_reference(seed):
+    """With ``home`` (what the planner passes: unequal counts, ranks interleaved in
+    canonical order, empty ranks) sticky keeps every rank's home count, makes exactly
+    the plain greedy's swaps from that home, and moves few samples."""
+    rng = np.random.default_rng(700 + seed)
+    for trial in range(6):
+        w = int(rng.choice([2, 3, 5, 16, 40]))
+        n = w * int(rng.integers(2, 9)) + int(rng.integers(0, w))
+        c = lognormal_lengths(rng, n, sigma=1.0 + 0.25 * trial) ** 1.5
+        ranks = rng.integers(0, w, n)
+        if trial % 3 == 0:
+            ranks[ranks == w - 1] = 0  # an empty rank
+        home = Assignment.from_ranks(ranks.astype(np.int64), w)
+        got = sticky(c, w, home=home)
+        check_assignment(got, n, w)
+        assert np.array_equal(got.counts, home.counts)
+        assert got.equals(reference_sticky(c, w, home=home)), (w, n, trial)
+        assert got.rank_sums(c).max() <= home.rank_sums(c).max()
+        fbs_moves = int((fbs(c, w).rank_of != ranks).sum())
+        assert int((got.rank_of != home.rank_of).sum()) <= max(fbs_moves, 2)
+
+
+def test_explicit_identity_home_is_the_default():
+    rng = np.random.default_rng(5)
+    c = lognormal_lengths(rng, 8 * 37, sigma=1.5)
+    assert sticky(c, 8, home=identity(c, 8)).equals(sticky(c, 8))
+    with pytest.raises(ValueError, match="home places"):
+        sticky(c, 8, home=identity(c[:-1], 8))
+    with pytest.raises(ValueError, match="home places"):
+        sticky(c, 8, home=identity(c, 4))
+
+
+def test_planner_passes_the_real_home():
+    """Sample ids interleaved across ranks (canonical order is by id, not rank-major):
+    the planner hands sticky the real home, so few samples move; without it the
+    default-count split would be taken as home and most samples would move."""
+    from freescale.balance.planner import BalanceConfig, GlobalMetadata, Planner
+
+    rng = np.random.default_rng(11)
+    w, per = 4, 64
+    lengths = [lognormal_lengths(rng, per, sigma=1.0) for _ in range(w)]
+    ids = np.arange(w * per).reshape(per, w).T  # rank r holds ids r, r + w, r + 2w, ...
+    meta = GlobalMetadata.from_rank_lists(3, lengths, [np.ones(per)] * w, list(ids))
+    plan = Planner(BalanceConfig(partitioner="sticky"), w, 0).plan(meta)
+    assert not meta.home_assignment().equals(identity(np.zeros(w * per), w))
+    assert 0 < plan.samples_moved <= 0.2 * w * per, plan.samples_moved
+    costs = meta.lengths.astype(np.float64) ** 1.5
+    blind = sticky(costs, w)  # the default home: not where the samples are
+    assert int((blind.rank_of != meta.home_rank).sum()) > 0.5 * w * per

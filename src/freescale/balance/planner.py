@@ -497,8 +497,11 @@ class Planner:
         t0 = time.perf_counter()
         length = meta.effective_lengths(self.config.candidate_tokens)
         costs = self.sample_costs(length, state)
-        proposed = get_partitioner(partitioner)(costs, self.world_size, sort_key=length)
         home = meta.home_assignment()
+        fn = get_partitioner(partitioner)
+        # a partitioner that starts from where the samples are (sticky) gets the home
+        kw = {"home": home} if getattr(fn, "accepts_home", False) else {}
+        proposed = fn(costs, self.world_size, sort_key=length, **kw)
         const = float(state.get("c", 0.0))
         rank_costs = proposed.rank_sums(costs) + const
         base_costs = home.rank_sums(costs) + const
