@@ -109,6 +109,17 @@ E2E="python -m freescale.cli bench e2e --zipf-s 0.6 ${E2E_ARGS:-}"
 # the headline runs (main, ablate: merged, so one config) without the GIL probe thread: one
 # moving part less; the diagnostic phases keep it (session 12, BENCHMARKS.md e2e)
 HEAD="$E2E --gil-probe-ms ${HEAD_GIL_PROBE_MS:-0}"
+# three_passes NAME LIMIT STEPS VARIANTS...: one profiler-free e2e invocation with 3
+# passes (ABC / CBA / ABC) into $OUT/NAME, then its per-pass summary (e2e_passes.py)
+three_passes() {
+  local name=$1 limit=$2 steps=$3; shift 3
+  timeout "$limit" $HEAD --out "$OUT/$name" --nproc 2 --steps "$steps" --repeats 3 \
+    --profile-steps 0 --timeout 60 --stall-dump-s 30 --variants "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+  python benchmarks/e2e_passes.py "$OUT/$name/e2e.json" || true
+  rm -rf "$OUT/$name/traces" "$OUT/$name"/*.png
+}
+
 case "${1:-}" in
 first)
   bash "$0" verify
@@ -543,24 +554,16 @@ hang2)
 sticky)
   # (~7 min) session 15: the sticky partitioner (equal-count swaps from home; 2.4 samples
   # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
-  timeout "${STICKY_LIMIT:-560}" $HEAD --out "$OUT/e2e_sticky" --nproc 2 --steps "${STICKY_STEPS:-400}" \
-    --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
-    --variants vanilla freescale freescale_sticky > "$OUT/e2e_sticky.log" 2>&1
-  echo "sticky rc=$?"
-  python benchmarks/e2e_passes.py "$OUT/e2e_sticky/e2e.json" || true
-  rm -rf "$OUT/e2e_sticky/traces" "$OUT"/e2e_sticky/*.png
+  three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
+    vanilla freescale freescale_sticky
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between
   # single-pass runs while vanilla stayed at 6,043-6,063; freescale_no_balance (no balancer)
   # gave 6,340-6,406 in three runs. Three passes in one invocation, profiler-free, give
   # the spread of the ratio within one call (per pass, and the median)
-  timeout "${REP3_LIMIT:-560}" $HEAD --out "$OUT/e2e_rep3" --nproc 2 --steps "${REP3_STEPS:-400}" \
-    --repeats 3 --profile-steps 0 --timeout 60 --stall-dump-s 30 \
-    --variants vanilla freescale freescale_no_balance > "$OUT/e2e_rep3.log" 2>&1
-  echo "rep3 rc=$?"
-  python benchmarks/e2e_passes.py "$OUT/e2e_rep3/e2e.json" || true
-  rm -rf "$OUT/e2e_rep3/traces" "$OUT"/e2e_rep3/*.png
+  three_passes e2e_rep3 "${REP3_LIMIT:-560}" "${REP3_STEPS:-400}" \
+    vanilla freescale freescale_no_balance
   ;;
 prepab)
   # (~6 min) session 14: did c39168e's blocking prepare_backward change freescale's QPS?
