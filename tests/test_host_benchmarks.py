@@ -86,3 +86,27 @@ def test_balance_host_ab_writes_its_figure(tmp_path):
     # the same code and data on both sides: the same plans (timings are not asserted)
     assert h["a:fbs:samples_moved_per_batch"] == h["b:fbs:samples_moved_per_batch"] > 0
     assert 0 < h["b:sticky:samples_moved_per_batch"] < h["b:fbs:samples_moved_per_batch"]
+
+
+@pytest.mark.timeout(120)
+def test_sticky_robustness_writes_its_figure(tmp_path):
+    """The simulator figure behind keeping fbs the default: every planner at every world
+    size, sticky moving few samples where fbs moves about (W - 1) / W, and the headline
+    comparing each sticky planner with fbs (simulated costs, no timings)."""
+    import sticky_robustness as sr
+
+    assert sr.main(["--world-sizes", "2,8", "--steps", "3", "--out", str(tmp_path)]) == 0
+    d = _figure(tmp_path / "sticky_robustness.json")
+    names = sr.planners(sr.MISFITS)
+    assert [(r["world_size"], r["planner"]) for r in d["rows"]] == [
+        (w, n) for w in (2, 8) for n in names
+    ]
+    by = {(r["world_size"], r["planner"]): r for r in d["rows"]}
+    for w in (2, 8):
+        assert by[(w, "fbs")]["moved_share_median"] >= 0.4
+        for n in names:
+            if n.startswith("sticky"):
+                assert by[(w, n)]["moved_share_median"] < 0.1, (w, n)
+        assert set(d["headline"][f"straggler_over_fbs_{w}ranks"]) == {
+            n for n in names if n.startswith("sticky")
+        }
