@@ -60,6 +60,15 @@ PARTITIONERS = {
         BalanceConfig(partitioner="kk", use_cost_model=True, refit_every=1),
         START_COST_MODEL,
     ),
+    # swaps from the home placement; and the same planning with the refitted cost model
+    # (bench e2e's freescale_sticky_cost)
+    "sticky": (BalanceConfig(partitioner="sticky"), None),
+    # swaps balancing total length and total squared length (no cost model needed)
+    "sticky2": (BalanceConfig(partitioner="sticky2"), None),
+    "sticky_cost": (
+        BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=1),
+        START_COST_MODEL,
+    ),
 }
 STEPS = 4
 REORDER_SEEDS = (1, 2, 3)
@@ -279,13 +288,15 @@ def test_balanced_training_matches_vanilla(world, pool2, pool4, tmp_path):
         assert d32 <= bound, f"{name}: float32 {d32:.3g} > {bound:.3g} ({where})"
         assert d64 <= F64_TOL, f"{name}: float64 {d64:.3g} > {F64_TOL} ({where64})"
 
-    # kk_cost planned with the cost model from step 1 and refitted it from measured times
+    # kk_cost and sticky_cost planned with the cost model from step 1 and refitted it
+    # from measured times
     for r in r32 + r64:
-        kinds = [c["kind"] for c in r["kk_cost"]["plan_cost_models"]]
-        assert kinds == ["fit"] * STEPS
-        last = r["kk_cost"]["plan_cost_models"][-1]
-        assert (last["a"], last["b"], last["c"]) != (1.0, 0.1, 0.0)
-        assert r["kk_cost"]["counters"]["cost_model"]["fit_error"] is not None
+        for name in ("kk_cost", "sticky_cost"):
+            kinds = [c["kind"] for c in r[name]["plan_cost_models"]]
+            assert kinds == ["fit"] * STEPS, name
+            last = r[name]["plan_cost_models"][-1]
+            assert (last["a"], last["b"], last["c"]) != (1.0, 0.1, 0.0), name
+            assert r[name]["counters"]["cost_model"]["fit_error"] is not None, name
 
     # ---- mutation: a balancer that loses or duplicates one sample is caught
     wrong = next(n for n in r32[0] if n.startswith("wrong_"))
