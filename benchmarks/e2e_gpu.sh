@@ -20,7 +20,8 @@
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
 #                                      # cross-rank shuffle (cross-rank floor),
-#                                      # sdd, freescale (~6.5 min)
+#                                      # sdd, freescale, freescale_sticky (~7 min;
+#                                      # MAIN_EXTRA= drops the last)
 #   bash benchmarks/e2e_gpu.sh update  # ~6 min: the sparse-update A/B in one run: vanilla and
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
@@ -44,6 +45,9 @@
 #                                      # profiler-free, 3 passes: does the sticky partitioner's
 #                                      # smaller host cost (balance_host.json) show, and does it
 #                                      # balance real step times (straggler share) as well as fbs?
+#   bash benchmarks/e2e_gpu.sh stickycost # ~8 min: vanilla, freescale, freescale_sticky and
+#                                      # freescale_sticky_cost (sticky planning with the cost
+#                                      # model refitted online), 400 steps, 3 passes
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -213,8 +217,11 @@ smoke)
   echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
   ;;
 main)
+  # freescale_sticky (diagnostic, session 16): its 400-step NE was 4.5e-7 from vanilla's
+  # (fbs 4.2e-6); does it stay under the in-rank noise floor over 1,000 steps?
   timeout 570 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
     --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_shuffled sdd freescale \
+    ${MAIN_EXTRA-freescale_sticky} \
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   # CUPTI released after each profiled window? (Trainer sets TEARDOWN_CUPTI=1, dbde1b3)
@@ -556,6 +563,18 @@ sticky)
   # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
     vanilla freescale freescale_sticky
+  ;;
+stickycost)
+  # (~8 min) session 16: sticky balances exactly the costs it plans with; on L^1.5 the
+  # simulator puts it at 2x fbs's straggler share from 64 ranks up, with the fitted cost
+  # model at 0.1% (sticky_robustness.json). freescale_sticky_cost refits a*L + b*L^2 + c
+  # from the measured dense times every 20 steps: does the online fit work on GPUs, and
+  # what does it fit (the row's activity.balance_cost_model)?
+  three_passes e2e_stickycost "${STICKYCOST_LIMIT:-570}" "${STICKYCOST_STEPS:-400}" \
+    vanilla freescale freescale_sticky freescale_sticky_cost
+  python -c "import json,sys; [print(r['variant'], r.get('pass'), r['activity'].get('balance_cost_model')) \
+for r in json.load(open(sys.argv[1]))['rows'] if r['activity'].get('balance_cost_model')]" \
+    "$OUT/e2e_stickycost/e2e.json" || true
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between

@@ -213,6 +213,8 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_shadow_balance", "freescale_no_balance"}  # the balancer only
     others |= {"freescale_local_prepare"}  # prepare_blocks forced off after construction
     others |= {"freescale_sticky", "balance_sticky"}  # another partitioner only
+    others |= {"freescale_sticky_cost"}  # sticky's balancer plans with a fitted cost model
+    others |= {"freescale_sticky2"}  # another partitioner only
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
@@ -220,13 +222,39 @@ def test_diagnostic_variants_force_one_setting_only():
     assert got == dataclasses.replace(ref0, copy_engine_handshake="gloo", log_path=got.log_path)
     from freescale.pipeline.bench_e2e import _SPEC
 
-    for diag, twin in (("freescale_sticky", "freescale"), ("balance_sticky", "balance_fbs")):
-        assert _SPEC[diag] == (_SPEC[twin][0], "sticky") and _SPEC[twin][1] == "fbs"
+    for diag, twin, part in (
+        ("freescale_sticky", "freescale", "sticky"),
+        ("balance_sticky", "balance_fbs", "sticky"),
+        ("freescale_sticky2", "freescale", "sticky2"),
+    ):
+        assert _SPEC[diag] == (_SPEC[twin][0], part) and _SPEC[twin][1] == "fbs"
         got, ref = (
             _variant_cfg(base, diag, _SPEC[diag][0]),
             _variant_cfg(base, twin, _SPEC[twin][0]),
         )
         assert got == dataclasses.replace(ref, log_path=got.log_path)
+    # sticky_cost differs from freescale_sticky in the balancer's cost model only; no other
+    # variant's balancer fits one
+    from freescale.pipeline.bench_e2e import REFIT_EVERY, balance_config
+
+    got = _variant_cfg(base, "freescale_sticky_cost", "prioritized")
+    assert got == dataclasses.replace(ref0, log_path=got.log_path)
+    assert _SPEC["freescale_sticky_cost"] == _SPEC["freescale_sticky"]
+    bc = balance_config("freescale_sticky_cost")
+    assert (
+        bc
+        == dataclasses.replace(
+            balance_config("freescale_sticky"),
+            use_cost_model=True,
+            refit_every=REFIT_EVERY["freescale_sticky_cost"],
+        )
+        and bc.refit_every > 0
+    )
+    for name in (*VARIANTS, *DIAGNOSTIC_VARIANTS):
+        cfg = balance_config(name)
+        assert (cfg is None) == (_SPEC[name][1] is None), name
+        if cfg is not None and name != "freescale_sticky_cost":
+            assert not cfg.use_cost_model and cfg.refit_every == 0, name
     got = _variant_cfg(base, "freescale_deferred_metrics", "prioritized")
     assert got.defer_metrics and not ref0.defer_metrics
     assert got == dataclasses.replace(ref0, defer_metrics=True, log_path=got.log_path)
@@ -379,6 +407,7 @@ def test_e2e_sticky_partitioner_tier2(pool2):
         for p, q in zip(rows[name]["ne_curve"], van["ne_curve"], strict=True):
             assert abs(p["eval_ne"] - q["eval_ne"]) <= F64_TOL * abs(q["eval_ne"]), name
         assert rows[name]["balance"] == "sticky"
+        assert rows[name]["activity"]["balance_cost_model"] is None  # plans on L^alpha
     moved = {n: rows[n]["activity"]["samples_moved"] for n in variants[1:]}
     assert 0 < moved["balance_sticky"] < moved["balance_fbs"], moved
     assert moved["freescale_sticky"] == moved["balance_sticky"], moved  # same data, plans

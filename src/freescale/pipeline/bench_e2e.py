@@ -58,7 +58,14 @@ balancer (prioritized with the SM-free overlap backend) — with ``prioritized``
 ``freescale_sticky``, ``balance_sticky``: freescale and balance_fbs with the ``sticky``
 partitioner instead of ``fbs`` (equal counts by swaps from the home placement: a few
 samples move instead of about half, and the samples that stay skip the exchange; a
-legal reordering, tier 2, not the same bits as fbs); ``freescale_local_prepare``:
+legal reordering, tier 2, not the same bits as fbs); ``freescale_sticky_cost``:
+freescale_sticky whose planner fits the per-rank cost model ``a*L + b*L^2 + c`` from the
+measured dense times every :data:`REFIT_EVERY` steps and plans with it (``L^alpha``
+before the first fit): sticky balances exactly the costs it is given, so at scale it
+needs the true cost (``benchmarks/sticky_robustness.py``); ``freescale_sticky2``: freescale
+with the ``sticky2`` partitioner (swaps from home that balance every rank's total length
+and total squared length, so every cost ``a*L + b*L^2 + c`` at once; tier 2);
+``freescale_local_prepare``:
 freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
 ``c39168e``; same bits): what that change costs or gains. With the balancer it has
@@ -111,6 +118,8 @@ from .trainer import Trainer, TrainerHook
 __all__ = [
     "DIAGNOSTIC_VARIANTS",
     "InRankReorder",
+    "REFIT_EVERY",
+    "balance_config",
     "VARIANTS",
     "run_e2e",
     "write_report",
@@ -146,6 +155,8 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_local_prepare",
     "freescale_sticky",
     "balance_sticky",
+    "freescale_sticky_cost",
+    "freescale_sticky2",
 )
 # diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
 _LOCAL_PREPARE = ("freescale_local_prepare",)
@@ -191,7 +202,13 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_local_prepare": ("prioritized", "fbs"),
     "freescale_sticky": ("prioritized", "sticky"),
     "balance_sticky": ("vanilla", "sticky"),
+    "freescale_sticky_cost": ("prioritized", "sticky"),
+    "freescale_sticky2": ("prioritized", "sticky2"),
 }
+# diagnostic variant -> how often its balancer refits its cost model (BalanceConfig
+# use_cost_model + refit_every: it plans with a*L + b*L^2 + c fitted from the measured
+# per-rank dense times, and with L^alpha until the first fit)
+REFIT_EVERY = {"freescale_sticky_cost": 20}
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
 # freescale_nccl_overlap keeps it on a side group of the main backend; others: the base
@@ -277,6 +294,23 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
     )
 
 
+def balance_config(variant: str) -> Any:
+    """The :class:`~freescale.balance.planner.BalanceConfig` of ``variant``'s balancer, or
+    ``None`` when it does not balance."""
+    from ..balance.planner import BalanceConfig
+
+    partitioner = _SPEC[variant][1]
+    if partitioner is None:
+        return None
+    refit = REFIT_EVERY.get(variant, 0)
+    return BalanceConfig(
+        partitioner=partitioner,
+        shadow=variant in _SHADOW,
+        use_cost_model=refit > 0,
+        refit_every=refit,
+    )
+
+
 def run_variant(
     rank: int, world: int, base_cfg: TrainConfig, variant: str, ctx: Any = None
 ) -> dict[str, Any]:
@@ -290,9 +324,8 @@ def run_variant(
     balance = None
     if partitioner is not None:
         from ..balance.hook import BalanceHook
-        from ..balance.planner import BalanceConfig
 
-        balance = BalanceHook(BalanceConfig(partitioner=partitioner, shadow=variant in _SHADOW))
+        balance = BalanceHook(balance_config(variant))
         hooks.append(balance)
     if variant in ("vanilla_reordered", "vanilla_reordered_b"):
         hooks.append(InRankReorder(salt=int(variant.endswith("_b"))))
@@ -331,6 +364,13 @@ def run_variant(
         "samples_moved": int(balance.samples_moved_total) if balance else 0,
         "bytes_moved": int(balance.bytes_moved_total) if balance else 0,
         "steps_balanced": int(balance.steps_balanced) if balance else 0,
+        # the balancer's cost model at the end when it plans with one (REFIT_EVERY): its
+        # a, b, c, whether it was fitted, and the fit's relative error
+        "balance_cost_model": (
+            balance.planner.cost_model.to_dict()
+            if balance is not None and balance.planner is not None and balance.config.use_cost_model
+            else None
+        ),
         # the copy engine's completion protocol, when it carried the overlapped traffic
         "copy_engine_completion": getattr(side, "completion", None),
         "copy_engine_handshake": getattr(side, "handshake", None),
