@@ -45,9 +45,9 @@
 #                                      # profiler-free, 3 passes: does the sticky partitioner's
 #                                      # smaller host cost (balance_host.json) show, and does it
 #                                      # balance real step times (straggler share) as well as fbs?
-#   bash benchmarks/e2e_gpu.sh stickycost # ~8 min: vanilla, freescale, freescale_sticky and
-#                                      # freescale_sticky_cost (sticky planning with the cost
-#                                      # model refitted online), 400 steps, 3 passes
+#   bash benchmarks/e2e_gpu.sh partab  # ~8 min: vanilla, freescale (fbs), freescale_sticky,
+#                                      # freescale_sticky2, freescale_sticky_cost (the cost
+#                                      # model refitted online), 300 steps, 3 passes
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -564,17 +564,19 @@ sticky)
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
     vanilla freescale freescale_sticky
   ;;
-stickycost)
-  # (~8 min) session 16: sticky balances exactly the costs it plans with; on L^1.5 the
-  # simulator puts it at 2x fbs's straggler share from 64 ranks up, with the fitted cost
-  # model at 0.1% (sticky_robustness.json). freescale_sticky_cost refits a*L + b*L^2 + c
-  # from the measured dense times every 20 steps: does the online fit work on GPUs, and
-  # what does it fit (the row's activity.balance_cost_model)?
-  three_passes e2e_stickycost "${STICKYCOST_LIMIT:-570}" "${STICKYCOST_STEPS:-400}" \
-    vanilla freescale freescale_sticky freescale_sticky_cost
+partab)
+  # (~8 min) session 16: the partitioners on GPUs. sticky balances exactly the costs it
+  # plans with (on L^1.5 the simulator puts it at 2x fbs's straggler share from 64 ranks
+  # up: sticky_robustness.json); freescale_sticky_cost refits a*L + b*L^2 + c from the
+  # measured dense times every 20 steps (does the online fit work here, and what does it
+  # fit: the row's activity.balance_cost_model?); freescale_sticky2 balances total length
+  # and total squared length at once (0.02-0.2% in the simulator under every such cost).
+  # 300 steps, profiler-free, 3 passes
+  three_passes e2e_partab "${PARTAB_LIMIT:-570}" "${PARTAB_STEPS:-300}" \
+    vanilla freescale freescale_sticky freescale_sticky2 freescale_sticky_cost
   python -c "import json,sys; [print(r['variant'], r.get('pass'), r['activity'].get('balance_cost_model')) \
 for r in json.load(open(sys.argv[1]))['rows'] if r['activity'].get('balance_cost_model')]" \
-    "$OUT/e2e_stickycost/e2e.json" || true
+    "$OUT/e2e_partab/e2e.json" || true
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between
