@@ -421,6 +421,33 @@ def shuffle(
     return Assignment.from_ranks(rank_of, world_size)
 
 
+def _swap_search_args(
+    name: str,
+    what: str,
+    values: np.ndarray,
+    world_size: int,
+    tol: float,
+    max_swaps: int | None,
+    home: Assignment | None,
+) -> tuple[int, Assignment]:
+    """The swap searches' (:func:`sticky`, :func:`sticky2`) argument checks: the swap
+    budget (default ``N``) and the home placement (default :func:`identity`)."""
+    n = values.size
+    max_swaps = n if max_swaps is None else int(max_swaps)
+    if max_swaps < 0:
+        raise ValueError(f"max_swaps must be >= 0, got {max_swaps}")
+    if not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
+    if home is None:
+        home = identity(values, world_size)
+    elif home.world_size != world_size or home.num_samples != n:
+        raise ValueError(
+            f"{name}: home places {home.num_samples} samples on {home.world_size} ranks, "
+            f"{what} have {n} samples for {world_size} ranks"
+        )
+    return max_swaps, home
+
+
 def sticky(
     costs: np.ndarray,
     world_size: int,
@@ -502,18 +529,7 @@ def sticky(
     c = _check(costs, world_size)
     n = c.size
     w = world_size
-    max_swaps = n if max_swaps is None else int(max_swaps)
-    if max_swaps < 0:
-        raise ValueError(f"max_swaps must be >= 0, got {max_swaps}")
-    if not tol >= 0:
-        raise ValueError(f"tol must be >= 0, got {tol}")
-    if home is None:
-        home = identity(c, w)
-    elif home.world_size != w or home.num_samples != n:
-        raise ValueError(
-            f"sticky: home places {home.num_samples} samples on {home.world_size} ranks, "
-            f"costs have {n} samples for {w} ranks"
-        )
+    max_swaps, home = _swap_search_args("sticky", "costs", c, w, tol, max_swaps, home)
     if w == 1 or n == 0 or max_swaps == 0:
         return home
     search = _SwapSearch(c, home, float(tol))
@@ -602,18 +618,7 @@ def sticky2(
     ln = _check(sort_key if sort_key is not None else costs, world_size).astype(np.float64)
     n = ln.size
     w = world_size
-    max_swaps = n if max_swaps is None else int(max_swaps)
-    if max_swaps < 0:
-        raise ValueError(f"max_swaps must be >= 0, got {max_swaps}")
-    if not tol >= 0:
-        raise ValueError(f"tol must be >= 0, got {tol}")
-    if home is None:
-        home = identity(ln, w)
-    elif home.world_size != w or home.num_samples != n:
-        raise ValueError(
-            f"sticky2: home places {home.num_samples} samples on {home.world_size} ranks, "
-            f"lengths have {n} samples for {w} ranks"
-        )
+    max_swaps, home = _swap_search_args("sticky2", "lengths", ln, w, tol, max_swaps, home)
     if w == 1 or n == 0 or max_swaps == 0:
         return home
     rank_of = home.rank_of.copy()
