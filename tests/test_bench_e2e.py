@@ -214,7 +214,7 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_local_prepare"}  # prepare_blocks forced off after construction
     others |= {"freescale_sticky", "balance_sticky"}  # another partitioner only
     others |= {"freescale_sticky_cost"}  # sticky's balancer plans with a fitted cost model
-    others |= {"freescale_sticky2"}  # another partitioner only
+    others |= {"freescale_sticky2", "balance_sticky2"}  # another partitioner only
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
@@ -226,6 +226,7 @@ def test_diagnostic_variants_force_one_setting_only():
         ("freescale_sticky", "freescale", "sticky"),
         ("balance_sticky", "balance_fbs", "sticky"),
         ("freescale_sticky2", "freescale", "sticky2"),
+        ("balance_sticky2", "balance_fbs", "sticky2"),
     ):
         assert _SPEC[diag] == (_SPEC[twin][0], part) and _SPEC[twin][1] == "fbs"
         got, ref = (

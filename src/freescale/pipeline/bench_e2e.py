@@ -62,10 +62,10 @@ legal reordering, tier 2, not the same bits as fbs); ``freescale_sticky_cost``:
 freescale_sticky whose planner fits the per-rank cost model ``a*L + b*L^2 + c`` from the
 measured dense times every :data:`REFIT_EVERY` steps and plans with it (``L^alpha``
 before the first fit): sticky balances exactly the costs it is given, so at scale it
-needs the true cost (``benchmarks/sticky_robustness.py``); ``freescale_sticky2``: freescale
-with the ``sticky2`` partitioner (swaps from home that balance every rank's total length
-and total squared length, so every cost ``a*L + b*L^2 + c`` at once; tier 2);
-``freescale_local_prepare``:
+needs the true cost (``benchmarks/sticky_robustness.py``); ``freescale_sticky2``,
+``balance_sticky2``: freescale and balance_fbs with the ``sticky2`` partitioner (swaps
+from home that balance every rank's total length and total squared length, so every
+cost ``a*L + b*L^2 + c`` at once; tier 2); ``freescale_local_prepare``:
 freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
 ``c39168e``; same bits): what that change costs or gains. With the balancer it has
@@ -157,6 +157,7 @@ DIAGNOSTIC_VARIANTS = (
     "balance_sticky",
     "freescale_sticky_cost",
     "freescale_sticky2",
+    "balance_sticky2",
 )
 # diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
 _LOCAL_PREPARE = ("freescale_local_prepare",)
@@ -204,6 +205,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "balance_sticky": ("vanilla", "sticky"),
     "freescale_sticky_cost": ("prioritized", "sticky"),
     "freescale_sticky2": ("prioritized", "sticky2"),
+    "balance_sticky2": ("vanilla", "sticky2"),
 }
 # diagnostic variant -> how often its balancer refits its cost model (BalanceConfig
 # use_cost_model + refit_every: it plans with a*L + b*L^2 + c fitted from the measured
