@@ -608,9 +608,10 @@ def sticky2(
     samples (fbs: ``(W - 1) / W``; sticky: ~2%).
 
     Cost: every step evaluates all ``K x K`` pairs of the two ranks (``K`` samples per
-    rank): O(K^2) per swap, and it makes about ``5 W`` swaps at 128 per rank. On the
-    2-core dev box ~0.7 ms at 2 ranks x 128, ~5 ms at 8, ~50 ms at 64 and ~200 ms at 256:
-    fine for a node, too slow for the data stage at hundreds of ranks as it stands.
+    rank): O(K^2) per swap, and it makes about ``4-5 W`` swaps at 128 per rank. On the
+    2-core dev box 0.6 ms at 2 ranks x 128, 3.5 ms at 8, 29 ms at 64 and 120 ms at 256
+    (fbs: 0.1-1.4 ms): fine for a node, too slow for the data stage at hundreds of ranks
+    as it stands.
 
     Deterministic: exact comparisons of float64 values computed in one fixed order,
     ties by global index.
