@@ -20,8 +20,8 @@
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
 #                                      # cross-rank shuffle (cross-rank floor),
-#                                      # sdd, freescale, freescale_sticky (~7 min;
-#                                      # MAIN_EXTRA= drops the last)
+#                                      # sdd, freescale, freescale_sticky, freescale_sticky2
+#                                      # (~7.5 min; MAIN_EXTRA= drops the last two)
 #   bash benchmarks/e2e_gpu.sh update  # ~6 min: the sparse-update A/B in one run: vanilla and
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
@@ -217,11 +217,12 @@ smoke)
   echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
   ;;
 main)
-  # freescale_sticky (diagnostic, session 16): its 400-step NE was 4.5e-7 from vanilla's
-  # (fbs 4.2e-6); does it stay under the in-rank noise floor over 1,000 steps?
+  # freescale_sticky, freescale_sticky2 (diagnostics, session 16): sticky's 400-step NE
+  # was 4.5e-7 from vanilla's (fbs 4.2e-6); do they stay under the in-rank noise floor
+  # over 1,000 steps? (~8 variants x 50 s; MAIN_EXTRA= for the six of session 16)
   timeout 570 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
     --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_shuffled sdd freescale \
-    ${MAIN_EXTRA-freescale_sticky} \
+    ${MAIN_EXTRA-freescale_sticky freescale_sticky2} \
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   # CUPTI released after each profiled window? (Trainer sets TEARDOWN_CUPTI=1, dbde1b3)
@@ -569,14 +570,11 @@ partab)
   # plans with (on L^1.5 the simulator puts it at 2x fbs's straggler share from 64 ranks
   # up: sticky_robustness.json); freescale_sticky_cost refits a*L + b*L^2 + c from the
   # measured dense times every 20 steps (does the online fit work here, and what does it
-  # fit: the row's activity.balance_cost_model?); freescale_sticky2 balances total length
+  # fit: e2e_passes.py prints the row's activity.balance_cost_model); freescale_sticky2 balances total length
   # and total squared length at once (0.02-0.2% in the simulator under every such cost).
   # 300 steps, profiler-free, 3 passes
   three_passes e2e_partab "${PARTAB_LIMIT:-570}" "${PARTAB_STEPS:-300}" \
     vanilla freescale freescale_sticky freescale_sticky2 freescale_sticky_cost
-  python -c "import json,sys; [print(r['variant'], r.get('pass'), r['activity'].get('balance_cost_model')) \
-for r in json.load(open(sys.argv[1]))['rows'] if r['activity'].get('balance_cost_model')]" \
-    "$OUT/e2e_partab/e2e.json" || true
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between
