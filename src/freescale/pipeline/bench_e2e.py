@@ -106,7 +106,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,9 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..metrics.host_speed import format_host_calibration, host_calibration
 from .trainer import Trainer, TrainerHook
+
+if TYPE_CHECKING:
+    from ..balance.planner import BalanceConfig
 
 __all__ = [
     "DIAGNOSTIC_VARIANTS",
@@ -296,7 +299,7 @@ def _variant_cfg(base: TrainConfig, variant: str, mode: str) -> TrainConfig:
     )
 
 
-def balance_config(variant: str) -> Any:
+def balance_config(variant: str) -> BalanceConfig | None:
     """The :class:`~freescale.balance.planner.BalanceConfig` of ``variant``'s balancer, or
     ``None`` when it does not balance."""
     from ..balance.planner import BalanceConfig
