@@ -102,3 +102,19 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     assert cfg.copy_engine_completion == "auto"
     cfg, _ = parse("--mode", "freescale", "--copy-engine-completion", "device")
     assert cfg.copy_engine_completion == "device"
+
+
+@pytest.mark.parametrize(
+    "flags,names",
+    [
+        (["--balance", "sticky2", "--balance-refit-every", "5"], "'sticky2'"),
+        (["--balance", "fbs", "--balance-alpha", "-1"], "alpha"),
+    ],
+)
+def test_bad_flag_combination_is_one_line_not_a_traceback(capsys, flags, names):
+    """An invalid configuration ends ``freescale train`` with exit code 2 and one error
+    line naming it, before any rank is launched."""
+    assert main(["train", "--nproc", "1", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("freescale train: error: ") and names in err, err
+    assert "Traceback" not in err

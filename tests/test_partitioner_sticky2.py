@@ -172,3 +172,13 @@ def test_registered_and_planner_passes_lengths_and_home():
     assert np.array_equal(plan.assignment.counts, home.counts)
     want = sticky2(np.zeros(meta.num_samples), 3, sort_key=meta.lengths, home=home)
     assert np.array_equal(plan.assignment.rank_of, want.rank_of)
+
+
+def test_cost_model_settings_rejected_with_sticky2():
+    """sticky2 ignores per-sample costs: a cost model or AutoTune with it is a clear
+    error naming the partitioner, not a silent no-op."""
+    for kw in ({"use_cost_model": True}, {"cost_model_path": "cm.json"}, {"autotune": True}):
+        with pytest.raises(ValueError, match="'sticky2' plans on the sample lengths"):
+            BalanceConfig(partitioner="sticky2", **kw)
+    BalanceConfig(partitioner="sticky2")
+    BalanceConfig(partitioner="sticky", use_cost_model=True)

@@ -472,11 +472,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     in_torchrun, gpu = resolve_launch(args)
     resolve_mode(args)
-    cfg = build_train_config(args, gpu)
-    cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     from .balance.hook import balance_config_from_args
 
-    balance = balance_config_from_args(args)
+    try:  # a bad flag combination: one line naming it, before any rank starts
+        cfg = build_train_config(args, gpu)
+        balance = balance_config_from_args(args)
+    except ValueError as e:
+        print(f"freescale train: error: {e}", file=sys.stderr)
+        return 2
+    cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     rank_args = (
         cfg_dict,
         args.summary,

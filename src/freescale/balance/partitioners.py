@@ -667,6 +667,8 @@ def sticky2(
 
 
 sticky2.accepts_home = True  # type: ignore[attr-defined]  # Planner passes home=...
+# it balances sum(L) and sum(L^2) itself: BalanceConfig rejects a cost model or AutoTune
+sticky2.plans_on_lengths = True  # type: ignore[attr-defined]
 
 
 class _SwapSearch:

@@ -62,7 +62,15 @@ class BalanceConfig:
     replay_path: str | None = None  # a plan log: logged steps are replayed, not re-planned
 
     def __post_init__(self) -> None:
-        get_partitioner(self.partitioner)  # fail early on a typo
+        fn = get_partitioner(self.partitioner)  # fail early on a typo
+        if getattr(fn, "plans_on_lengths", False) and (
+            self.use_cost_model or self.cost_model_path or self.autotune
+        ):
+            raise ValueError(
+                f"partitioner '{self.partitioner}' plans on the sample lengths and ignores "
+                "per-sample costs: use_cost_model, cost_model_path and autotune would have "
+                "no effect; drop them or choose a cost-driven partitioner (fbs, kk, sticky)"
+            )
         if self.alpha < 0:
             raise ValueError("alpha must be >= 0")
         if self.candidate_tokens < 0:
