@@ -1,7 +1,7 @@
 """Figure `sticky_robustness`: how the sticky partitioner's balance depends on its costs.
 
 Session 16 measured `sticky` against `fbs` on 2 H200 (`e2e_sticky_d1cf677.json`: equal
-QPS on a fast host, higher on a contended one, a lower straggler share, ~45x fewer
+QPS on an uncontended host, higher on a contended one, a lower straggler share, ~45x fewer
 samples moved). At 2 ranks every partitioner balances well. This script asks what
 happens at 8 to 256 ranks, where the GPU was not available, with the per-rank dense
 cost model fitted on the GPU (``cost_model_2gpu.json``: ``a*sum(L) + b*sum(L^2) + c``)
@@ -26,7 +26,7 @@ planner that is to be right whatever the true cost is.
 Rows: median straggler share ``(max - mean) / max`` of the scored per-rank cost, the
 median share of samples moved off their home rank, and the median time of the
 partition call on this host (``plan_ms_median``). CPU only, deterministic (seeded);
-about 10 s at the defaults::
+~10 s at the defaults::
 
     PYTHONPATH=src python benchmarks/sticky_robustness.py --out benchmarks/results
 """

@@ -600,11 +600,12 @@ def sticky2(
     helps, or both shares are within ``tol``, or after ``max_swaps`` swaps (default
     ``N``), the search stops. ``J`` strictly falls, so it cannot cycle. Every rank keeps
     its home count; an empty home rank is the lightest and has nothing to swap, so the
-    search stops there (as :func:`sticky`).
+    search stops there (as :func:`sticky`; with every length positive, as the planner's
+    are: a non-empty rank of zero lengths could tie with it as the lightest).
 
     Measured (``sticky_robustness.json``, 128 log-normal samples per rank): a straggler
     share of 0.01-0.2% at 2-256 ranks under every cost of that form tried (``L`` alone,
-    ``L^2`` alone, the GPU fit, fits off by 2x), against fbs's 0.5-5%, moving 3-7% of the
+    ``L^2`` alone, the GPU fit, fits off by 2x), against fbs's 0.4-5.9%, moving 4-7% of the
     samples (fbs: ``(W - 1) / W``; sticky: ~2%).
 
     Cost: every step evaluates all ``K x K`` pairs of the two ranks (``K`` samples per
@@ -616,6 +617,10 @@ def sticky2(
     Deterministic: exact comparisons of float64 values computed in one fixed order,
     ties by global index.
     """
+    if sort_key is not None and np.size(sort_key) != np.size(costs):
+        raise ValueError(
+            f"sticky2: sort_key has {np.size(sort_key)} samples, costs {np.size(costs)}"
+        )
     ln = _check(sort_key if sort_key is not None else costs, world_size).astype(np.float64)
     n = ln.size
     w = world_size

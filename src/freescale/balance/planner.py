@@ -68,8 +68,10 @@ class BalanceConfig:
         ):
             raise ValueError(
                 f"partitioner '{self.partitioner}' plans on the sample lengths and ignores "
-                "per-sample costs: use_cost_model, cost_model_path and autotune would have "
-                "no effect; drop them or choose a cost-driven partitioner (fbs, kk, sticky)"
+                "per-sample costs: a cost model (use_cost_model / cost_model_path; "
+                "--balance-cost-model, --balance-refit-every) or AutoTune "
+                "(--balance-autotune) would have no effect; drop it or choose a "
+                "cost-driven partitioner (fbs, kk, sticky)"
             )
         if self.alpha < 0:
             raise ValueError("alpha must be >= 0")
