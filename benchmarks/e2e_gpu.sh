@@ -20,8 +20,8 @@
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
 #                                      # cross-rank shuffle (cross-rank floor),
-#                                      # sdd, freescale, freescale_sticky, freescale_sticky2
-#                                      # (~7.5 min; MAIN_EXTRA= drops the last two)
+#                                      # sdd, freescale, freescale_fbs (the old default)
+#                                      # (~6.5 min; MAIN_EXTRA= drops the last one)
 #   bash benchmarks/e2e_gpu.sh update  # ~6 min: the sparse-update A/B in one run: vanilla and
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
@@ -45,9 +45,9 @@
 #                                      # profiler-free, 3 passes: does the sticky partitioner's
 #                                      # smaller host cost (balance_host.json) show, and does it
 #                                      # balance real step times (straggler share) as well as fbs?
-#   bash benchmarks/e2e_gpu.sh partab  # ~8 min: vanilla, freescale (fbs), freescale_sticky,
-#                                      # freescale_sticky2, freescale_sticky_cost (the cost
-#                                      # model refitted online), 300 steps, 3 passes
+#   bash benchmarks/e2e_gpu.sh partab  # ~8 min: vanilla, freescale (sticky on the cost model
+#                                      # refitted online), freescale_fbs, freescale_sticky,
+#                                      # freescale_sticky2, 300 steps, 3 passes
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -92,7 +92,8 @@
 #                                      # (benchmarks/host_time), vanilla and freescale
 #   MERGE=benchmarks/results/e2e.json bash benchmarks/e2e_gpu.sh ablate   # (main's e2e.json)
 #                                      # 1-GPU baseline (vanilla, freescale), then 2 GPUs:
-#                                      # prioritized, balance_fbs, freescale_nccl_overlap
+#                                      # prioritized, balance (freescale's balancer alone;
+#                                      # balance_fbs until session 17), freescale_nccl_overlap
 #                                      # merged into the main rows
 # Results land under $OUT (the device tool brings them back); copy e2e.json/md/png into
 # benchmarks/results/. STEPS / BASE_STEPS override the step counts. Workload: the GPU
@@ -217,12 +218,14 @@ smoke)
   echo "smoke rc=$?"; tail -30 "$OUT/e2e_smoke.log"
   ;;
 main)
-  # freescale_sticky, freescale_sticky2 (diagnostics, session 16): sticky's 400-step NE
-  # was 4.5e-7 from vanilla's (fbs 4.2e-6); do they stay under the in-rank noise floor
-  # over 1,000 steps? (~8 variants x 50 s; MAIN_EXTRA= for the six of session 16)
+  # freescale_fbs (diagnostic, session 17): freescale with the paper's fbs, its balancer
+  # until session 17, next to the new default (sticky on the refitted cost model): its
+  # 1,000-step NE sat 5x above the in-rank noise floor at d1cf677 and 570414c
+  # (~7 variants x 50 s; MAIN_EXTRA= for the six of session 16; session 16's extras
+  # were freescale_sticky freescale_sticky2)
   timeout 570 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" \
     --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_shuffled sdd freescale \
-    ${MAIN_EXTRA-freescale_sticky freescale_sticky2} \
+    ${MAIN_EXTRA-freescale_fbs} \
     > "$OUT/e2e_main.log" 2>&1
   echo "main rc=$?"; tail -40 "$OUT/e2e_main.log"
   # CUPTI released after each profiled window? (Trainer sets TEARDOWN_CUPTI=1, dbde1b3)
@@ -453,7 +456,7 @@ ablate)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $HEAD --out "$OUT/e2e_1gpu" --nproc 1 --steps "$BASE_STEPS" \
     --variants vanilla freescale > "$OUT/e2e_1gpu.log" 2>&1
   echo "1gpu rc=$?"; tail -22 "$OUT/e2e_1gpu.log"
-  timeout 380 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance_fbs freescale_nccl_overlap \
+  timeout 380 $HEAD --out "$OUT/e2e" --nproc 2 --steps "$STEPS" --variants prioritized balance freescale_nccl_overlap \
     --merge "${MERGE:?set MERGE to the main e2e.json}" --baseline "$OUT/e2e_1gpu/e2e.json" \
     > "$OUT/e2e_ablate.log" 2>&1
   echo "ablate rc=$?"; tail -40 "$OUT/e2e_ablate.log"
@@ -563,7 +566,7 @@ sticky)
   # (~7 min) session 15: the sticky partitioner (equal-count swaps from home; 2.4 samples
   # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
-    vanilla freescale freescale_sticky
+    vanilla freescale_fbs freescale_sticky
   ;;
 partab)
   # (~8 min) session 16: the partitioners on GPUs. sticky balances exactly the costs it
@@ -572,9 +575,10 @@ partab)
   # measured dense times every 20 steps (does the online fit work here, and what does it
   # fit: e2e_passes.py prints the row's activity.balance_cost_model); freescale_sticky2 balances total length
   # and total squared length at once (0.02-0.2% in the simulator under every such cost).
-  # 300 steps, profiler-free, 3 passes
+  # 300 steps, profiler-free, 3 passes. Ran at 570414c (e2e_partab_570414c.*); since
+  # session 17 freescale IS sticky on the refitted model, so fbs runs as freescale_fbs
   three_passes e2e_partab "${PARTAB_LIMIT:-570}" "${PARTAB_STEPS:-300}" \
-    vanilla freescale freescale_sticky freescale_sticky2 freescale_sticky_cost
+    vanilla freescale freescale_fbs freescale_sticky freescale_sticky2
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between

@@ -384,6 +384,32 @@ def test_planner_cost_model_refit_and_state():
     assert other.plan(_meta(9)).same_as(plan)
 
 
+def test_planner_degenerate_fit_keeps_power_costs():
+    """Times that do not grow with length fit ``a == b == 0``: every sample would cost 0
+    and nothing could be balanced, so plans keep ``L^alpha`` (and move samples) until a
+    refit sees lengths matter; a saved planner state restores that choice. Mutation:
+    using the degenerate fit (``_uses_fit`` without the check) makes the plan's kind
+    "fit" with ~zero costs, and nothing moves."""
+    cfg = BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=2)
+    planner = Planner(cfg, world_size=8)
+    for step in range(4):
+        plan = planner.plan(_meta(step))
+        planner.observe(plan, np.full(8, 3.0))  # flat: length does not matter
+    cm = planner.cost_model
+    # a == b == 0 up to rounding (b can come out ~1e-22)
+    assert cm.fitted and cm.a < 1e-15 and cm.b < 1e-15 and cm.c == pytest.approx(3.0)
+    plan = planner.plan(_meta(9))
+    assert plan.cost_model["kind"] == "power" and plan.samples_moved > 0
+    other = Planner(cfg, world_size=8)
+    other.load_state_dict(json.loads(json.dumps(planner.state_dict())))
+    assert other.plan(_meta(9)).same_as(plan)
+    for step in range(10, 14):  # now the times grow with the tokens
+        plan = planner.plan(_meta(step))
+        planner.observe(plan, 1e-3 * plan.rank_tokens + 0.5)
+    plan = planner.plan(_meta(20))
+    assert plan.cost_model["kind"] == "fit" and plan.cost_model["a"] > 0
+
+
 # --------------------------------------------------------------------- coordinator
 def make_batch(
     seed: int,

@@ -2,7 +2,7 @@
 with its schema, and only numerics are asserted (never timings):
 
 * prioritized's and sdd's eval NE (every eval point) equal vanilla's bitwise (tier 1);
-* balance_fbs, freescale and the reordered vanilla (the noise floor) are within 1e-12
+* balance, freescale and the reordered vanilla (the noise floor) are within 1e-12
   relative of vanilla in float64 (tier 2);
 * the trainers run with ``timing="events"`` and profile their last steps (the GPU
   accounting says it is unavailable on CPU, and the headline lists it as not measured);
@@ -136,7 +136,7 @@ def test_e2e_report_numerics(pool2, tmp_path):
     # tier 2: balancing and the legal reordering change summation orders (float64)
     reordered = ("vanilla_reordered", "vanilla_reordered_b")
     for name in (
-        "balance_fbs",
+        "balance",
         "freescale",
         "freescale_nccl_overlap",
         "vanilla_shuffled",
@@ -176,8 +176,10 @@ def test_e2e_report_numerics(pool2, tmp_path):
         a = rows[name]["activity"]
         assert a["prioritized_steps"] > 0, a
         assert a["collision_rows"] > 0 and a["deferred_rows"] > 0, a
-    for name in ("balance_fbs", "freescale", "vanilla_shuffled"):
+    for name in ("balance", "freescale", "vanilla_shuffled"):
         assert rows[name]["activity"]["samples_moved"] > 0, rows[name]["activity"]
+    # freescale's balancer (sticky; its cost model refits every 20 steps, past this run)
+    assert rows["freescale"]["balance"] == rows["balance"]["balance"] == "sticky"
     assert van["activity"]["prioritized_steps"] == 0
     assert van["activity"]["samples_moved"] == 0
 
@@ -215,29 +217,37 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_sticky", "balance_sticky"}  # another partitioner only
     others |= {"freescale_sticky_cost"}  # sticky's balancer plans with a fitted cost model
     others |= {"freescale_sticky2", "balance_sticky2"}  # another partitioner only
+    others |= {"freescale_fbs", "balance_fbs"}  # another partitioner only (the old default)
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"
     assert got == dataclasses.replace(ref0, copy_engine_handshake="gloo", log_path=got.log_path)
+    from freescale.balance.hook import FREESCALE_PARTITIONER, FREESCALE_REFIT_EVERY
     from freescale.pipeline.bench_e2e import _SPEC
 
     for diag, twin, part in (
         ("freescale_sticky", "freescale", "sticky"),
-        ("balance_sticky", "balance_fbs", "sticky"),
+        ("balance_sticky", "balance", "sticky"),
         ("freescale_sticky2", "freescale", "sticky2"),
-        ("balance_sticky2", "balance_fbs", "sticky2"),
+        ("balance_sticky2", "balance", "sticky2"),
+        ("freescale_fbs", "freescale", "fbs"),
+        ("balance_fbs", "balance", "fbs"),
     ):
-        assert _SPEC[diag] == (_SPEC[twin][0], part) and _SPEC[twin][1] == "fbs"
+        assert _SPEC[diag] == (_SPEC[twin][0], part) and _SPEC[twin][1] == FREESCALE_PARTITIONER
         got, ref = (
             _variant_cfg(base, diag, _SPEC[diag][0]),
             _variant_cfg(base, twin, _SPEC[twin][0]),
         )
         assert got == dataclasses.replace(ref, log_path=got.log_path)
-    # sticky_cost differs from freescale_sticky in the balancer's cost model only; no other
-    # variant's balancer fits one
+    # sticky_cost differs from freescale_sticky in the balancer's cost model only, and is
+    # freescale's balancer; the variants on it (named for another switch) refit, the ones
+    # named for a partitioner do not
     from freescale.pipeline.bench_e2e import REFIT_EVERY, balance_config
 
+    assert balance_config("freescale_sticky_cost") == balance_config("freescale")
+    assert balance_config("balance") == balance_config("freescale")
+    assert balance_config("freescale").refit_every == FREESCALE_REFIT_EVERY
     got = _variant_cfg(base, "freescale_sticky_cost", "prioritized")
     assert got == dataclasses.replace(ref0, log_path=got.log_path)
     assert _SPEC["freescale_sticky_cost"] == _SPEC["freescale_sticky"]
@@ -251,11 +261,16 @@ def test_diagnostic_variants_force_one_setting_only():
         )
         and bc.refit_every > 0
     )
+    refitting = {n for n in (*VARIANTS, *DIAGNOSTIC_VARIANTS) if n.startswith("freescale")}
+    refitting -= {"freescale_fbs", "freescale_sticky", "freescale_sticky2"}
+    refitting = (refitting - {"freescale_no_balance"}) | {"balance"}
+    assert set(REFIT_EVERY) == refitting
     for name in (*VARIANTS, *DIAGNOSTIC_VARIANTS):
         cfg = balance_config(name)
         assert (cfg is None) == (_SPEC[name][1] is None), name
-        if cfg is not None and name != "freescale_sticky_cost":
-            assert not cfg.use_cost_model and cfg.refit_every == 0, name
+        if cfg is not None:
+            assert cfg.use_cost_model == (name in refitting), name
+            assert cfg.refit_every == (FREESCALE_REFIT_EVERY if name in refitting else 0)
     got = _variant_cfg(base, "freescale_deferred_metrics", "prioritized")
     assert got.defer_metrics and not ref0.defer_metrics
     assert got == dataclasses.replace(ref0, defer_metrics=True, log_path=got.log_path)

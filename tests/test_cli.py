@@ -91,7 +91,20 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
 
     cfg, bal = parse("--mode", "freescale")
     assert cfg.mode == "prioritized" and cfg.overlap_backend == "auto"
-    assert bal is not None and bal.partitioner == "fbs"
+    # freescale's balancer: sticky on the cost model refitted every 20 steps
+    assert bal is not None and bal.partitioner == "sticky"
+    assert bal.use_cost_model and bal.refit_every == 20 and bal.cost_model_path is None
+    # a named partitioner keeps its own defaults (no refit), as does a refit flag given
+    _, bal = parse("--mode", "freescale", "--balance", "fbs")
+    assert bal.partitioner == "fbs" and not bal.use_cost_model and bal.refit_every == 0
+    _, bal = parse("--mode", "freescale", "--balance-refit-every", "0")
+    assert bal.partitioner == "sticky" and not bal.use_cost_model
+    _, bal = parse("--mode", "freescale", "--balance-refit-every", "7")
+    assert bal.partitioner == "sticky" and bal.refit_every == 7
+    _, bal = parse("--mode", "freescale", "--balance", "sticky2")  # plans on lengths
+    assert bal.partitioner == "sticky2" and not bal.use_cost_model
+    _, bal = parse("--balance", "sticky")  # without --mode freescale: no refit
+    assert not bal.use_cost_model and bal.refit_every == 0
     cfg, bal = parse("--mode", "freescale", "--balance", "off", "--overlap-backend", "default")
     assert cfg.mode == "prioritized" and cfg.overlap_backend == "default" and bal is None
     cfg, bal = parse()  # defaults: vanilla, nothing on

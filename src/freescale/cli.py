@@ -83,8 +83,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         choices=["vanilla", "sdd", "prioritized", "freescale"],
         default="vanilla",
         help="embedding schedule (sdd: ids of t+1 ahead; prioritized: DESIGN.md 2.2; both "
-        "bitwise equal to vanilla); freescale = prioritized + --balance fbs + "
-        "--overlap-backend auto unless those flags say otherwise",
+        "bitwise equal to vanilla); freescale = prioritized + --balance sticky on a "
+        "cost model refitted every 20 steps + --overlap-backend auto unless those flags "
+        "say otherwise",
     )
     p.add_argument(
         "--overlap-backend",
@@ -239,13 +240,25 @@ def resolve_launch(args: argparse.Namespace) -> tuple[bool, bool]:
 
 
 def resolve_mode(args: argparse.Namespace) -> None:
-    """``--mode freescale``: every technique on (prioritized updates, FBS balancing,
-    SM-free overlapped traffic), each overridable by its own flag."""
+    """``--mode freescale``: every technique on (prioritized updates, balancing, SM-free
+    overlapped traffic), each overridable by its own flag. The balancer, unless
+    ``--balance`` names one: ``sticky`` on the cost model refitted every 20 steps
+    (``balance.hook.FREESCALE_PARTITIONER`` / ``FREESCALE_REFIT_EVERY``; a
+    ``--balance-cost-model`` or ``--balance-refit-every`` given keeps its value, and
+    ``--balance-autotune`` plans on ``L^alpha`` instead)."""
     if getattr(args, "mode", None) != "freescale":
         return
+    from .balance.hook import FREESCALE_PARTITIONER, FREESCALE_REFIT_EVERY
+
     args.mode = "prioritized"
     if getattr(args, "balance", None) is None:
-        args.balance = "fbs"
+        args.balance = FREESCALE_PARTITIONER
+        if (
+            getattr(args, "balance_refit_every", None) is None
+            and not getattr(args, "balance_cost_model", None)
+            and not getattr(args, "balance_autotune", False)
+        ):
+            args.balance_refit_every = FREESCALE_REFIT_EVERY
     if getattr(args, "overlap_backend", None) is None:
         args.overlap_backend = "auto"
 

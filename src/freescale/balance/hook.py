@@ -315,6 +315,19 @@ class BalanceHook(TrainerHook):
 
 
 # ------------------------------------------------------------------------- CLI
+# ``--mode freescale``'s balancer (cli.resolve_mode, and bench e2e's ``freescale`` variant
+# and every ``freescale_*`` variant that does not name its partitioner): sticky (swaps from
+# the home placement: few samples move) on the cost model ``a*L + b*L^2 + c`` refitted from
+# the measured per-rank dense times every 20 steps (``L^alpha`` until the first fit). Why
+# (BENCHMARKS.md, e2e, session 17): on 2 H200 over 1,000 steps fbs's eval NE stayed 5x
+# above the in-rank noise floor in two reports while sticky's fell under it, sticky's
+# balancer costs the data stage less and balances the measured step times as well or
+# better, and at 64-256 ranks sticky needs the fitted cost (sticky_robustness.json).
+# Plans then depend on measured times: ``--balance-log`` records them for replay.
+FREESCALE_PARTITIONER = "sticky"
+FREESCALE_REFIT_EVERY = 20
+
+
 def add_balance_flags(p: argparse.ArgumentParser) -> None:
     """``--balance ...`` flags of ``freescale train``."""
     names = sorted(PARTITIONERS)
@@ -322,8 +335,9 @@ def add_balance_flags(p: argparse.ArgumentParser) -> None:
         "--balance",
         choices=["off", *names],
         default=None,
-        help="sequence load balancing partitioner (default off, fbs with --mode freescale; "
-        "fbs is the paper's)",
+        help="sequence load balancing partitioner (default off; with --mode freescale "
+        f"{FREESCALE_PARTITIONER} on a cost model refitted every {FREESCALE_REFIT_EVERY} "
+        "steps; fbs is the paper's)",
     )
     p.add_argument("--balance-alpha", type=float, default=1.5, help="L^alpha sample costs")
     p.add_argument(
@@ -334,8 +348,9 @@ def add_balance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--balance-refit-every",
         type=int,
-        default=0,
-        help="refit the cost model from measured dense times every k steps (0: never)",
+        default=None,
+        help="refit the cost model from measured dense times every k steps (0: never; "
+        f"default 0, {FREESCALE_REFIT_EVERY} with --mode freescale and no --balance)",
     )
     p.add_argument("--balance-autotune", action="store_true", help="AutoTune alpha (VBS)")
     p.add_argument(

@@ -429,6 +429,7 @@ class Planner:
         )
         self._measurements: deque[tuple[float, float, float]] = deque(maxlen=cfg.fit_window)
         self._observed = 0
+        self._fit_usable = self._length_matters()
         self._replay = PlanLog.read(cfg.replay_path) if cfg.replay_path else {}
         self._log: PlanLog | None = None
         if cfg.log_path and ("{rank}" in cfg.log_path or self.rank == 0):
@@ -440,7 +441,26 @@ class Planner:
         return self.autotune.alpha if self.autotune is not None else self.config.alpha
 
     def _uses_fit(self) -> bool:
-        return self.config.use_cost_model and self.cost_model.fitted
+        """Plan with the fitted model: asked for, fitted, and not degenerate
+        (:meth:`_length_matters`)."""
+        cm = self.cost_model
+        return self.config.use_cost_model and cm.fitted and self._fit_usable
+
+    def _length_matters(self) -> bool:
+        """Whether the fit's length terms explain any of the measured time: at the mean
+        measured ``(tokens, sum L^2)``, ``a*tokens + b*sum L^2`` above ``1e-6`` of the
+        predicted total (a model loaded from a file without measurements: ``a`` or ``b``
+        positive). A fit with ``a == b == 0`` up to rounding (the measured times did not
+        grow with length: noise, or a step bound by something else) gives every sample
+        a cost of ~0, with which no partitioner balances anything, so plans keep
+        ``L^alpha`` until a later refit sees lengths matter (``cost_model_state`` says
+        which one a plan used)."""
+        cm = self.cost_model
+        if not self._measurements:
+            return cm.a > 0.0 or cm.b > 0.0
+        m = np.asarray(self._measurements, dtype=np.float64)
+        part = cm.a * float(m[:, 0].mean()) + cm.b * float(m[:, 1].mean())
+        return part > 1e-6 * (part + cm.c)
 
     def cost_model_state(self) -> dict:
         """The cost function plans are made with now (logged with every plan)."""
@@ -564,6 +584,7 @@ class Planner:
         if cfg.use_cost_model and cfg.refit_every and self._observed % cfg.refit_every == 0:
             if len(self._measurements) >= 3:
                 self.cost_model.fit(list(self._measurements))
+                self._fit_usable = self._length_matters()
         if self.autotune is not None and not self._uses_fit():
             mean_len = np.where(counts > 0, plan.rank_tokens / np.maximum(counts, 1), 0.0)
             self.autotune.update(t, mean_len)
@@ -585,6 +606,7 @@ class Planner:
         self._measurements.clear()
         self._measurements.extend(tuple(m) for m in state["measurements"])
         self._observed = int(state["observed"])
+        self._fit_usable = self._length_matters()
 
     def config_dict(self) -> dict:
         return asdict(self.config)

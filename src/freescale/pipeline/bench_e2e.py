@@ -21,11 +21,16 @@ Variants (:data:`VARIANTS`):
 * ``sdd``: vanilla, but the ids of step t+1 are distributed during step t (bitwise equal);
 * ``prioritized``: prioritized embedding updates (DESIGN.md 2.2; bitwise equal to
   vanilla, tier 1);
-* ``balance_fbs``: vanilla schedule + sequence load balancing with FBS (tier 2);
-* ``freescale_nccl_overlap``: prioritized + FBS, the overlapped traffic on a side group
-  of the main backend (NCCL on GPUs): the SM-free ablation;
-* ``freescale``: prioritized + FBS balancing (tier 2), the overlapped traffic SM-free
-  (``overlap_backend="auto"`` unless the config names a backend).
+* ``balance``: vanilla schedule + freescale's sequence load balancing (tier 2): the
+  ``sticky`` partitioner on the cost model refitted every 20 steps
+  (``balance.hook.FREESCALE_PARTITIONER`` / ``FREESCALE_REFIT_EVERY``; ``fbs`` until
+  session 17, now the diagnostic ``balance_fbs``);
+* ``freescale_nccl_overlap``: prioritized + freescale's balancing, the overlapped traffic
+  on a side group of the main backend (NCCL on GPUs): the SM-free ablation;
+* ``freescale``: prioritized + freescale's balancing (tier 2), the overlapped traffic
+  SM-free (``overlap_backend="auto"`` unless the config names a backend). Every
+  ``freescale_<switch>`` diagnostic below is this with one switch changed, on the same
+  balancer unless its name names a partitioner.
 
 Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variants``):
 ``vanilla_sync_update``, ``vanilla_padded_update``, ``freescale_padded_update``: the
@@ -53,17 +58,20 @@ for a step instead of a host barrier between the ranks; same bits);
 sample (``BalanceConfig.shadow``: the metadata all-gathers and planning without the
 exchange; the batches of prioritized); ``freescale_no_balance``: freescale without the
 balancer (prioritized with the SM-free overlap backend) — with ``prioritized``,
-``balance_fbs`` and ``freescale`` they separate what balancing costs a host-bound step
+``balance`` and ``freescale`` they separate what balancing costs a host-bound step
 (session 13: each technique alone beat vanilla, the combination did not);
-``freescale_sticky``, ``balance_sticky``: freescale and balance_fbs with the ``sticky``
-partitioner instead of ``fbs`` (equal counts by swaps from the home placement: a few
-samples move instead of about half, and the samples that stay skip the exchange; a
-legal reordering, tier 2, not the same bits as fbs); ``freescale_sticky_cost``:
-freescale_sticky whose planner fits the per-rank cost model ``a*L + b*L^2 + c`` from the
-measured dense times every :data:`REFIT_EVERY` steps and plans with it (``L^alpha``
-before the first fit): sticky balances exactly the costs it is given, so at scale it
-needs the true cost (``benchmarks/sticky_robustness.py``); ``freescale_sticky2``,
-``balance_sticky2``: freescale and balance_fbs with the ``sticky2`` partitioner (swaps
+``freescale_fbs``, ``balance_fbs``: freescale and balance with the paper's ``fbs``
+partitioner on ``L^alpha`` (freescale's balancer until session 17: sorted zig-zag deal,
+about half the samples move); ``freescale_sticky``, ``balance_sticky``: freescale and
+balance with plain ``sticky`` on ``L^alpha``, no cost model (equal counts by swaps from
+the home placement: a few samples move, and the samples that stay skip the exchange;
+a legal reordering, tier 2); ``freescale_sticky_cost``: sticky whose planner fits the
+per-rank cost model ``a*L + b*L^2 + c`` from the measured dense times every
+:data:`REFIT_EVERY` steps and plans with it (``L^alpha`` before the first fit) — the same
+balancer as ``freescale`` now, kept under the name it was first measured by: sticky
+balances exactly the costs it is given, so at scale it needs the true cost
+(``benchmarks/sticky_robustness.py``); ``freescale_sticky2``,
+``balance_sticky2``: freescale and balance with the ``sticky2`` partitioner (swaps
 from home that balance every rank's total length and total squared length, so every
 cost ``a*L + b*L^2 + c`` at once; tier 2); ``freescale_local_prepare``:
 freescale with ``prepare_backward`` deciding by its
@@ -111,6 +119,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..balance.hook import FREESCALE_PARTITIONER, FREESCALE_REFIT_EVERY
 from ..config import TrainConfig
 from ..metrics.host_speed import format_host_calibration, host_calibration
 from .trainer import Trainer, TrainerHook
@@ -137,7 +146,7 @@ VARIANTS = (
     "vanilla_shuffled",
     "sdd",
     "prioritized",
-    "balance_fbs",
+    "balance",
     "freescale_nccl_overlap",
     "freescale",
 )
@@ -156,6 +165,8 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_shadow_balance",
     "freescale_no_balance",
     "freescale_local_prepare",
+    "freescale_fbs",
+    "balance_fbs",
     "freescale_sticky",
     "balance_sticky",
     "freescale_sticky_cost",
@@ -179,6 +190,9 @@ _UPDATE = {
     "vanilla_padded_update": "padded",
     "freescale_padded_update": "padded",
 }
+# freescale's balancer (``--mode freescale``, balance.hook.FREESCALE_PARTITIONER): the
+# variants that do not name a partitioner (freescale, balance, freescale_<other switch>)
+_FS = FREESCALE_PARTITIONER
 # variant -> (embedding schedule, balancing partitioner or None)
 _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla": ("vanilla", None),
@@ -187,33 +201,51 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "vanilla_shuffled": ("vanilla", "shuffle"),
     "sdd": ("sdd", None),
     "prioritized": ("prioritized", None),
+    "balance": ("vanilla", _FS),
     "balance_fbs": ("vanilla", "fbs"),
-    "freescale_nccl_overlap": ("prioritized", "fbs"),
-    "freescale": ("prioritized", "fbs"),
+    "freescale_fbs": ("prioritized", "fbs"),
+    "freescale_nccl_overlap": ("prioritized", _FS),
+    "freescale": ("prioritized", _FS),
     "vanilla_sync_update": ("vanilla", None),
     "vanilla_padded_update": ("vanilla", None),
-    "freescale_padded_update": ("prioritized", "fbs"),
-    "freescale_host_completion": ("prioritized", "fbs"),
-    "freescale_late_prepare": ("prioritized", "fbs"),
+    "freescale_padded_update": ("prioritized", _FS),
+    "freescale_host_completion": ("prioritized", _FS),
+    "freescale_late_prepare": ("prioritized", _FS),
     "vanilla_fast_switch": ("vanilla", None),
-    "freescale_fast_switch": ("prioritized", "fbs"),
+    "freescale_fast_switch": ("prioritized", _FS),
     "vanilla_pinned": ("vanilla", None),
-    "freescale_pinned": ("prioritized", "fbs"),
-    "freescale_gloo_handshake": ("prioritized", "fbs"),
-    "freescale_deferred_metrics": ("prioritized", "fbs"),
-    "freescale_shadow_balance": ("prioritized", "fbs"),
+    "freescale_pinned": ("prioritized", _FS),
+    "freescale_gloo_handshake": ("prioritized", _FS),
+    "freescale_deferred_metrics": ("prioritized", _FS),
+    "freescale_shadow_balance": ("prioritized", _FS),
     "freescale_no_balance": ("prioritized", None),
-    "freescale_local_prepare": ("prioritized", "fbs"),
+    "freescale_local_prepare": ("prioritized", _FS),
     "freescale_sticky": ("prioritized", "sticky"),
     "balance_sticky": ("vanilla", "sticky"),
     "freescale_sticky_cost": ("prioritized", "sticky"),
     "freescale_sticky2": ("prioritized", "sticky2"),
     "balance_sticky2": ("vanilla", "sticky2"),
 }
-# diagnostic variant -> how often its balancer refits its cost model (BalanceConfig
-# use_cost_model + refit_every: it plans with a*L + b*L^2 + c fitted from the measured
-# per-rank dense times, and with L^alpha until the first fit)
-REFIT_EVERY = {"freescale_sticky_cost": 20}
+# variants named for their partitioner: their balancer is that one, on L^alpha costs
+_NAMED_PARTITIONER = (
+    "balance_fbs",
+    "freescale_fbs",
+    "freescale_sticky",
+    "balance_sticky",
+    "freescale_sticky2",
+    "balance_sticky2",
+)
+# variant -> how often its balancer refits its cost model (BalanceConfig use_cost_model +
+# refit_every: it plans with a*L + b*L^2 + c fitted from the measured per-rank dense times,
+# and with L^alpha until the first fit): freescale's balancer refits every
+# FREESCALE_REFIT_EVERY steps, in every variant on it (_FS) not named for a partitioner,
+# and in freescale_sticky_cost (sticky on the refitted model: the name it was measured
+# under at 570414c, before it became freescale's balancer)
+REFIT_EVERY = {
+    name: FREESCALE_REFIT_EVERY
+    for name, (_, part) in _SPEC.items()
+    if (part == _FS and name not in _NAMED_PARTITIONER) or name == "freescale_sticky_cost"
+}
 # the overlapped traffic's backend per variant (TrainConfig.overlap_backend): freescale
 # takes SM-free ("auto" unless the base config names a backend); the ablation
 # freescale_nccl_overlap keeps it on a side group of the main backend; others: the base
@@ -729,6 +761,9 @@ def projection_from_report(
         median_uih=int(data.get("median_uih", 1024)),
         sigma=float(data.get("sigma", 1.0)),
         steps=100,
+        # freescale's balancer: sticky on the cost model (the simulator's "_cost" names
+        # plan with the model it scores with: the refitted model, converged)
+        balanced_partitioner=f"{FREESCALE_PARTITIONER}_cost",
     )
     measured = {}
     for name, row in (("vanilla", van), ("freescale", fs)):
