@@ -19,7 +19,9 @@ Schedules (DESIGN.md sections 1-3):
 * ``vanilla`` (TorchRec-equivalent): every embedding exchange is a blocking
   all-to-all on the critical path (counts, ids, embeddings, gradients: four
   collectives), no balancing (straggler share of the identity placement);
-* ``freescale``: FBS balancing (straggler share of FBS), prioritized embedding updates
+* ``freescale``: balancing (the straggler share the caller gives: the e2e report passes
+  the simulator's for freescale's balancer, sticky on the cost model; FBS in
+  :func:`straggler_shares_from_simulator`'s default), prioritized embedding updates
   (only collision-row traffic blocks: collision gradients out, updated collision rows
   back, plus the small mask exchange: three collectives), and everything else (ids of
   t+2, balancing moves, exclusive embeddings and gradients) overlapped with compute on
@@ -363,7 +365,7 @@ class MeasuredCosts:
     * ``dense_param_bytes``: bytes of the dense gradients DDP all-reduces per step;
     * ``host_overhead_ms``: per-step CPU / launch gaps not overlapped with GPU work;
     * ``straggler_vanilla`` / ``straggler_freescale``: straggler share
-      ``(max - mean) / max`` of dense time, identity placement / FBS balancing, as a
+      ``(max - mean) / max`` of dense time, identity placement / the balancer, as a
       ``{W: share}`` dict (e.g. :func:`straggler_shares_from_simulator`) or a
       callable ``W -> share``;
     * ``smfree_slowdown``: relative slowdown of a dense kernel while SM-free traffic
