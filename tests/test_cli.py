@@ -105,6 +105,14 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     assert bal.partitioner == "sticky2" and not bal.use_cost_model
     _, bal = parse("--balance", "sticky")  # without --mode freescale: no refit
     assert not bal.use_cost_model and bal.refit_every == 0
+    # plans that depend on measured times are logged next to the run log (compact)
+    assert bal.log_path is None
+    _, bal = parse("--mode", "freescale", "--log", "out/run.jsonl")
+    assert bal.log_path == "out/run.plans.jsonl" and bal.log_detail == "compact"
+    _, bal = parse("--mode", "freescale", "--log", "r.jsonl", "--balance-log", "p.jsonl")
+    assert bal.log_path == "p.jsonl" and bal.log_detail == "full"
+    _, bal = parse("--mode", "freescale", "--log", "r.jsonl", "--balance", "fbs")
+    assert bal.log_path is None  # deterministic plans: nothing to record
     cfg, bal = parse("--mode", "freescale", "--balance", "off", "--overlap-backend", "default")
     assert cfg.mode == "prioritized" and cfg.overlap_backend == "default" and bal is None
     cfg, bal = parse()  # defaults: vanilla, nothing on

@@ -245,7 +245,9 @@ def resolve_mode(args: argparse.Namespace) -> None:
     ``--balance`` names one: ``sticky`` on the cost model refitted every 20 steps
     (``balance.hook.FREESCALE_PARTITIONER`` / ``FREESCALE_REFIT_EVERY``; a
     ``--balance-cost-model`` or ``--balance-refit-every`` given keeps its value, and
-    ``--balance-autotune`` plans on ``L^alpha`` instead)."""
+    ``--balance-autotune`` plans on ``L^alpha`` instead). Those plans depend on measured
+    times, so with ``--log PATH`` and no ``--balance-log`` they are logged (compact) to
+    PATH's stem + ``.plans.jsonl``: ``--balance-replay`` on that file reproduces them."""
     if getattr(args, "mode", None) != "freescale":
         return
     from .balance.hook import FREESCALE_PARTITIONER, FREESCALE_REFIT_EVERY
@@ -259,6 +261,13 @@ def resolve_mode(args: argparse.Namespace) -> None:
             and not getattr(args, "balance_autotune", False)
         ):
             args.balance_refit_every = FREESCALE_REFIT_EVERY
+            # its plans depend on measured times (DESIGN.md 2.1: log every plan, replay
+            # on resume): next to the run log when there is one, compact
+            log = getattr(args, "log", None)
+            if log and getattr(args, "balance_log", None) is None:
+                args.balance_log = os.path.splitext(log)[0] + ".plans.jsonl"
+                if getattr(args, "balance_log_detail", None) is None:
+                    args.balance_log_detail = "compact"
     if getattr(args, "overlap_backend", None) is None:
         args.overlap_backend = "auto"
 

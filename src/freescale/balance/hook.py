@@ -362,7 +362,19 @@ def add_balance_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="tokens a candidate adds to a sample's length in the cost",
     )
-    p.add_argument("--balance-log", default=None, help="plan log (JSON lines) path")
+    p.add_argument(
+        "--balance-log",
+        default=None,
+        help="plan log (JSON lines) path; with --mode freescale's default balancer (plans "
+        "depend on measured times) and --log PATH: PATH's stem + '.plans.jsonl', compact",
+    )
+    p.add_argument(
+        "--balance-log-detail",
+        choices=["full", "compact"],
+        default=None,
+        help="full: assignments (self-contained replay); compact: cost state and checksums "
+        "(replay recomputes and verifies; ~100 bytes a step). Default full",
+    )
     p.add_argument("--balance-replay", default=None, help="replay plans from this plan log")
 
 
@@ -384,6 +396,7 @@ def balance_config_from_args(args: argparse.Namespace) -> BalanceConfig | None:
         autotune=bool(getattr(args, "balance_autotune", False)),
         candidate_tokens=int(getattr(args, "balance_candidate_tokens", 0) or 0),
         log_path=getattr(args, "balance_log", None),
+        log_detail=getattr(args, "balance_log_detail", None) or "full",
         replay_path=getattr(args, "balance_replay", None),
     )
 
