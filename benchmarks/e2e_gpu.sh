@@ -26,9 +26,10 @@
 #                                      # freescale (ahead update, the CUDA default) next to
 #                                      # vanilla_sync_update, vanilla_padded_update,
 #                                      # freescale_padded_update (same bits, other update)
-#   bash benchmarks/e2e_gpu.sh ne      # ~6.5 min: where balancing's NE distance comes from:
-#                                      # vanilla, an in-rank reordering, the cross-rank shuffle
-#                                      # and balance_fbs, 150 steps, with the default bfloat16
+#   bash benchmarks/e2e_gpu.sh ne      # ~8 min (6.5 with 4 variants): where balancing's NE distance comes from:
+#                                      # vanilla, an in-rank reordering, the cross-rank shuffle,
+#                                      # balance_fbs and balance (freescale's balancer since
+#                                      # session 17), 150 steps, with the default bfloat16
 #                                      # flex attention and with float32 attention
 #   bash benchmarks/e2e_gpu.sh smfree  # ~8 min: tier-1 prioritized check (mask exchange now in
 #                                      # the forward), then the copy engine's device-side
@@ -45,7 +46,7 @@
 #                                      # profiler-free, 3 passes: does the sticky partitioner's
 #                                      # smaller host cost (balance_host.json) show, and does it
 #                                      # balance real step times (straggler share) as well as fbs?
-#   bash benchmarks/e2e_gpu.sh partab  # ~8 min: vanilla, freescale (sticky on the cost model
+#   bash benchmarks/e2e_gpu.sh partab  # ~5 min: vanilla, freescale (sticky on the cost model
 #                                      # refitted online), freescale_fbs, freescale_sticky,
 #                                      # freescale_sticky2, 300 steps, 3 passes
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
@@ -246,7 +247,7 @@ ne)
   # both dtypes run NE_STEPS (150) steps: compare the distances within each run
   for dt in bfloat16 float32; do
     timeout 400 $E2E --out "$OUT/e2e_ne_$dt" --nproc 2 --steps "${NE_STEPS:-150}" \
-      --attention-dtype "$dt" --variants vanilla vanilla_reordered vanilla_shuffled balance_fbs \
+      --attention-dtype "$dt" --variants vanilla vanilla_reordered vanilla_shuffled balance_fbs balance \
       > "$OUT/e2e_ne_$dt.log" 2>&1
     echo "ne $dt rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_ne_$dt.log" | head -12
     rm -rf "$OUT/e2e_ne_$dt/traces" "$OUT"/e2e_ne_"$dt"/*.png
@@ -487,7 +488,7 @@ s13a)
   bash "$0" main
   ;;
 s13b)
-  # second call (~9 min): ablate (1-GPU baseline + prioritized / balance_fbs /
+  # second call (~9 min): ablate (1-GPU baseline + prioritized / balance /
   # freescale_nccl_overlap merged into s13a's e2e.json, copied into the tree first), then
   # dmet (the deferred metrics all-gather A/B)
   bash "$0" ablate
@@ -569,7 +570,7 @@ sticky)
     vanilla freescale_fbs freescale_sticky
   ;;
 partab)
-  # (~8 min) session 16: the partitioners on GPUs. sticky balances exactly the costs it
+  # (~5 min: 291 s at 570414c) session 16: the partitioners on GPUs. sticky balances exactly the costs it
   # plans with (on L^1.5 the simulator puts it at 2x fbs's straggler share from 64 ranks
   # up: sticky_robustness.json); freescale_sticky_cost refits a*L + b*L^2 + c from the
   # measured dense times every 20 steps (does the online fit work here, and what does it
@@ -642,7 +643,7 @@ baldiag)
   timeout "${BALDIAG_LIMIT:-420}" $HEAD --out "$OUT/e2e_baldiag" --nproc 2 \
     --steps "${BALDIAG_STEPS:-200}" --repeats "${BALDIAG_REPEATS:-2}" --profile-steps 0 \
     --variants ${BALDIAG_VARIANTS:-vanilla prioritized freescale_no_balance \
-    freescale_shadow_balance balance_fbs freescale} > "$OUT/e2e_baldiag.log" 2>&1
+    freescale_shadow_balance balance freescale} > "$OUT/e2e_baldiag.log" 2>&1
   echo "baldiag rc=$?"
   python - "$OUT/e2e_baldiag/e2e.json" <<'PY' || true
 import json, sys
@@ -663,7 +664,7 @@ phases)
   # (~3 min) where the data stage's busy time goes (summary data_thread.phases_ms: load,
   # hook:BalanceHook, id_counts, pin) and how fast this host is (host_calibration)
   timeout 170 $HEAD --out "$OUT/e2e_phases" --nproc 2 --steps "${PHASES_STEPS:-150}" --warmup-steps 10 \
-    --profile-steps 0 --variants freescale balance_fbs > "$OUT/e2e_phases.log" 2>&1
+    --profile-steps 0 --variants freescale balance > "$OUT/e2e_phases.log" 2>&1
   echo "phases rc=$?"
   python - "$OUT/e2e_phases/e2e.json" <<'PY' || true
 import json, sys

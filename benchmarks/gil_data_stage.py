@@ -5,7 +5,9 @@ the training thread drives step t; both are Python threads of one process, so wh
 the data stage runs Python code (or a C call that keeps the lock) the training thread's
 next launches wait. This measures that wait directly: each of 2 gloo ranks runs the
 data-stage work on a background thread — the synthetic loader alone, the loader plus
-FBS balancing (metadata all-gathers, plan, sample all-to-all), and that plus the
+FBS balancing (metadata all-gathers, plan, sample all-to-all; FBS was freescale's
+balancer when this was measured, sticky on the refitted cost model since session 17,
+which moves far fewer samples), and that plus the
 host-side id counts per owner (`kernels.reference.owner_counts`, what `host_counts`
 runs; "counts_old": the owner_and_local path it replaced, for the A/B) — for the GPU default
 workload (128 samples per rank, max UIH 16K, median 1K, 1M items, Zipf s=0.6), while a

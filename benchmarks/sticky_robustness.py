@@ -9,11 +9,13 @@ taken as the truth. Per step: ``W x batch`` log-normal lengths (the GPU workload
 median 1,024, sigma 1, clipped at max UIH 16K), every sample at its home rank
 (rank-major), then one plan per planner, each scored by the true model:
 
-* ``fbs``, ``kk``: planned with ``L^alpha`` weights (alpha 1.5), as the trainer does by
-  default (``fbs`` is the same plan for any monotone cost);
+* ``fbs``, ``kk``: planned with ``L^alpha`` weights (alpha 1.5), as ``--balance fbs`` /
+  ``kk`` do (``fbs`` is the same plan for any monotone cost; it was ``--mode
+  freescale``'s partitioner until session 17);
 * ``sticky``: planned with ``L^alpha``;
 * ``sticky_cost``: planned with the true model (the ideal of
-  ``BalanceConfig(use_cost_model=True)``);
+  ``BalanceConfig(use_cost_model=True)``; ``--mode freescale``'s balancer since session
+  17 refits it every 20 steps);
 * ``sticky_cost_a<fa>_b<fb>``: planned with a misfit model, ``a`` and ``b`` scaled by
   ``fa`` and ``fb`` (the trainer's online fit is never exact);
 * ``sticky2``: swaps balancing every rank's total length and total squared length (no

@@ -403,9 +403,18 @@ def test_planner_degenerate_fit_keeps_power_costs():
     other = Planner(cfg, world_size=8)
     other.load_state_dict(json.loads(json.dumps(planner.state_dict())))
     assert other.plan(_meta(9)).same_as(plan)
+    # the decision is the last refit's, saved with the state and not recomputed from the
+    # measurements held at save time (near the threshold those can decide otherwise)
     for step in range(10, 14):  # now the times grow with the tokens
         plan = planner.plan(_meta(step))
         planner.observe(plan, 1e-3 * plan.rank_tokens + 0.5)
+    assert planner.plan(_meta(20)).cost_model["kind"] == "fit"
+    state = json.loads(json.dumps(planner.state_dict()))
+    assert state["fit_usable"] is True
+    state["fit_usable"] = False  # as if the last refit had been degenerate
+    other = Planner(cfg, world_size=8)
+    other.load_state_dict(state)
+    assert other.plan(_meta(20)).cost_model["kind"] == "power"
     plan = planner.plan(_meta(20))
     assert plan.cost_model["kind"] == "fit" and plan.cost_model["a"] > 0
 

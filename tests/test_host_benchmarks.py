@@ -90,7 +90,8 @@ def test_balance_host_ab_writes_its_figure(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_sticky_robustness_writes_its_figure(tmp_path):
-    """The simulator figure behind keeping fbs the default: every planner at every world
+    """The simulator figure behind the partitioner choice (fbs the default until session 17,
+    sticky on the fitted cost model since): every planner at every world
     size, sticky moving few samples where fbs moves about (W - 1) / W, and the headline
     comparing each sticky planner with fbs (simulated costs, no timings)."""
     import sticky_robustness as sr

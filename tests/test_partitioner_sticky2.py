@@ -122,7 +122,7 @@ def test_matches_reference_when_lengths_tie():
 @pytest.mark.parametrize("w", [2, 8])
 def test_balances_both_moments_and_moves_few(w):
     """Both moments within a few tenths of a percent, so any a*L + b*L^2 + c is; few
-    moves; fbs (the robust default) and sticky on L^1.5 leave L^2 far less balanced."""
+    moves; fbs (robust to a wrong cost) and sticky on L^1.5 leave L^2 far less balanced."""
     rng = np.random.default_rng(7)
     n = 128 * w
     ln = np.clip(np.rint(rng.lognormal(np.log(1024), 1.0, n)), 1, 16384)

@@ -249,7 +249,7 @@ class BalanceHook(TrainerHook):
         )
         cm = self.planner.cost_model if self.planner is not None else None
         if cm is not None and cm.fitted and cm.fit_error is not None:
-            s["cost_model_fit_error"] = cm.fit_error
+            s["cost_model_fit_error"] = cm.fit_error  # plan's "cost_model" says if used
         if stats is not None:
             s.update(
                 local_samples_sent=stats.samples_sent,
@@ -287,7 +287,15 @@ class BalanceHook(TrainerHook):
             out["alpha"] = self.planner.alpha
             cm = self.planner.cost_model
             if cm.fitted:
-                out["cost_model"] = {"a": cm.a, "b": cm.b, "c": cm.c, "fit_error": cm.fit_error}
+                out["cost_model"] = {
+                    "a": cm.a,
+                    "b": cm.b,
+                    "c": cm.c,
+                    "fit_error": cm.fit_error,
+                    # False: plans use L^alpha (the fit's length terms explain nothing,
+                    # Planner._length_matters) or the config asks for no model
+                    "used": self.planner.cost_model_state()["kind"] == "fit",
+                }
         return out
 
     # -------------------------------------------------------------- checkpoint
@@ -319,11 +327,12 @@ class BalanceHook(TrainerHook):
 # and every ``freescale_*`` variant that does not name its partitioner): sticky (swaps from
 # the home placement: few samples move) on the cost model ``a*L + b*L^2 + c`` refitted from
 # the measured per-rank dense times every 20 steps (``L^alpha`` until the first fit). Why
-# (BENCHMARKS.md, e2e, session 17): on 2 H200 over 1,000 steps fbs's eval NE stayed 5x
-# above the in-rank noise floor in two reports while sticky's fell under it, sticky's
-# balancer costs the data stage less and balances the measured step times as well or
-# better, and at 64-256 ranks sticky needs the fitted cost (sticky_robustness.json).
-# Plans then depend on measured times: ``--balance-log`` records them for replay.
+# (BENCHMARKS.md, e2e, session 17): on 2 H200 over 1,000 steps fbs's eval NE sat 5.5x
+# above the in-rank noise floor in every report while the sticky family's fell within
+# it; sticky costs the data stage less (few moves) with QPS within the run-to-run spread
+# of fbs's; at 64-256 ranks sticky needs the fitted cost (sticky_robustness.json).
+# Plans then depend on measured times: ``--balance-log`` records them for replay
+# (``freescale train --mode freescale --log PATH`` does by default).
 FREESCALE_PARTITIONER = "sticky"
 FREESCALE_REFIT_EVERY = 20
 

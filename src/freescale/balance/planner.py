@@ -595,6 +595,9 @@ class Planner:
             "autotune": None if self.autotune is None else self.autotune.state_dict(),
             "measurements": [list(m) for m in self._measurements],
             "observed": self._observed,
+            # decided at the last refit from the measurements held then (later ones
+            # would decide differently near the threshold): saved, not recomputed
+            "fit_usable": self._fit_usable,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -606,7 +609,8 @@ class Planner:
         self._measurements.clear()
         self._measurements.extend(tuple(m) for m in state["measurements"])
         self._observed = int(state["observed"])
-        self._fit_usable = self._length_matters()
+        usable = state.get("fit_usable")  # absent in states saved before session 17
+        self._fit_usable = self._length_matters() if usable is None else bool(usable)
 
     def config_dict(self) -> dict:
         return asdict(self.config)

@@ -26,11 +26,16 @@ Variants (:data:`VARIANTS`):
   (``balance.hook.FREESCALE_PARTITIONER`` / ``FREESCALE_REFIT_EVERY``; ``fbs`` until
   session 17, now the diagnostic ``balance_fbs``);
 * ``freescale_nccl_overlap``: prioritized + freescale's balancing, the overlapped traffic
-  on a side group of the main backend (NCCL on GPUs): the SM-free ablation;
+  on a side group of the main backend (NCCL on GPUs): the SM-free ablation (the same
+  bits as ``freescale`` until the balancer's first refit; its plans then follow this
+  run's measured times);
 * ``freescale``: prioritized + freescale's balancing (tier 2), the overlapped traffic
   SM-free (``overlap_backend="auto"`` unless the config names a backend). Every
   ``freescale_<switch>`` diagnostic below is this with one switch changed, on the same
-  balancer unless its name names a partitioner.
+  balancer unless its name names a partitioner. Where a diagnostic below says "same
+  bits" of a freescale variant, that holds until the balancer's first refit (step 20):
+  from then on the plans follow each run's measured dense times, so two runs differ
+  within tier 2 (the plan log, ``BalanceConfig.log_path``, makes a run replayable).
 
 Diagnostic variants (:data:`DIAGNOSTIC_VARIANTS`, only when named in ``--variants``):
 ``vanilla_sync_update``, ``vanilla_padded_update``, ``freescale_padded_update``: the

@@ -293,8 +293,9 @@ def straggler_shares_from_simulator(
 
     Runs :func:`freescale.balance.simulator.simulate` once over ``world_sizes`` with
     the ``identity`` placement (vanilla: samples stay where the loader put them) and
-    ``balanced_partitioner`` (FBS by default, planned with ``L^alpha`` weights as the
-    trainer does; ``fbs_cost`` etc. plan with the cost model). Each share is the
+    ``balanced_partitioner`` (FBS by default, planned with ``L^alpha`` weights as
+    ``--balance fbs`` does; ``fbs_cost``, ``sticky_cost`` etc. plan with the cost model:
+    the e2e report passes ``sticky_cost``, ``--mode freescale``'s balancer). Each share is the
     median over ``steps`` simulated steps of ``(max - mean) / max`` of the per-rank
     cost under ``cost_model`` (a fitted :class:`CostModel`, its dict, or ``None`` for
     the simulator's illustrative default; pass the fit of your own GPU run, e.g.
@@ -606,7 +607,7 @@ def project(
 
         dense             costs.dense_ms (mean over ranks; weak scaling: constant in W)
         straggler_wait    dense * s / (1 - s); s from costs.straggler_{vanilla,freescale}
-                          at W (identity placement / FBS): the slowest rank's dense time
+                          at W (identity placement / the balancer): the slowest rank's dense time
                           is dense / (1 - s) when s = (max - mean) / max
         emb_compute       costs.emb_compute_ms, on the critical path in both schedules
         exposed_emb_comm  net.alltoall_ms(blocking bytes, W, collectives=k):
