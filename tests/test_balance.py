@@ -419,6 +419,37 @@ def test_planner_degenerate_fit_keeps_power_costs():
     assert plan.cost_model["kind"] == "fit" and plan.cost_model["a"] > 0
 
 
+def test_hook_learns_step_keyed_and_checkpoints_what_it_has_not_learned():
+    """``BalanceHook.on_metrics`` queues a step's times; the planner learns from them
+    only right before planning ``step + METRICS_LAG`` (the same steps on every rank,
+    whatever the threads' timing); the queue goes into the hook's state, so a restored
+    hook learns from the same steps as the original."""
+    from freescale.balance.hook import BalanceHook
+
+    cfg = BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=1)
+
+    def hook():
+        h = BalanceHook(cfg)
+        h.planner = Planner(cfg, world_size=8)
+        return h
+
+    a = hook()
+    for step in range(1, 9):
+        plan = a.planner.plan(_meta(step))
+        a._pending[step] = (plan, None, 0.0, {})
+        times = [float(x) for x in 1e-3 * plan.rank_tokens + 0.5]
+        a.on_metrics(None, step, {"dense_ms_per_rank": times})  # type: ignore[arg-type]
+    assert a.observations_applied == 0 and not a.planner.cost_model.num_fit_samples
+    b = hook()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for h in (a, b):
+        h._learn_until(5)
+        assert h.observations_applied == 5 and len(h._observations) == 3
+        assert h.planner.cost_model_state()["kind"] == "fit"
+    assert a.planner.plan(_meta(9)).same_as(b.planner.plan(_meta(9)))
+    assert a.planner.cost_model.to_dict() == b.planner.cost_model.to_dict()
+
+
 # --------------------------------------------------------------------- coordinator
 def make_batch(
     seed: int,

@@ -12,12 +12,16 @@ Per batch (synchronous for now, see README.md "Trainer integration"):
   then hands the trainer the rebalanced local batch; ``extras`` (``global_candidates``,
   which does not change: the same multiset of samples is trained on) are kept. The
   trainer fetches one step ahead, so this runs before step ``t-1`` trains.
-* ``on_metrics(step=t)``: feeds the all-gathered per-rank dense times of step ``t`` to
+* ``on_metrics(step=t)``: queues the all-gathered per-rank dense times of step ``t`` for
   :meth:`Planner.observe` (cost-model refits, AutoTune) and writes ``rec["balance"]``:
   the plan summary, predicted vs measured straggler share, the lower bound, samples and
-  bytes moved, planning and balancing time, and the counters as of step ``t``. The
-  plan of ``t+1`` was made before ``t``'s times were observed, identically on every
-  rank.
+  bytes moved, planning and balancing time, and the counters as of step ``t``.
+* Learning is step-keyed: right before planning step ``s`` the planner observes exactly
+  the queued steps ``<= s - METRICS_LAG`` (4, :mod:`freescale.pipeline.data_stage`), in
+  step order, on the planning thread. Which other steps' metrics have arrived by then
+  depends on thread timing and differs between ranks (the data-stage thread plans
+  ahead of the training thread); the plans must not, or the sample exchange would move
+  wrong data.
 
 It may not touch the model, the embeddings or the loss: it only replaces the local
 batch with another placement of the same samples. Evaluation batches are not
@@ -27,8 +31,10 @@ balanced (the trainer's ``evaluate`` runs no hooks).
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
+import threading
 import time
 from dataclasses import asdict, replace
 from typing import Any
@@ -42,6 +48,7 @@ from freescale.balance.partitioners import PARTITIONERS
 from freescale.balance.planner import BalanceConfig, Plan, Planner
 from freescale.comm.base import Communicator
 from freescale.data.batch import JaggedBatch
+from freescale.pipeline.data_stage import METRICS_LAG
 from freescale.pipeline.trainer import Trainer, TrainerHook
 
 __all__ = [
@@ -101,6 +108,13 @@ class BalanceHook(TrainerHook):
         # steps balanced but not yet observed: the trainer fetches (and so balances)
         # batch t+1 before step t trains, so up to two are pending
         self._pending: dict[int, tuple[Plan, MoveStats | None, float, dict[str, int]]] = {}
+        # observed steps not yet learned from, in step order: [step, rank tokens, rank
+        # sum L^2, rank counts, rank dense ms]; appended by on_metrics (training
+        # thread), drained before planning (the data stage's thread, or the training
+        # thread inline), saved by state_dict (under the lock: two threads)
+        self._observations: collections.deque[list[Any]] = collections.deque()
+        self._obs_lock = threading.Lock()
+        self.observations_applied = 0
 
     # ------------------------------------------------------------------ set-up
     def on_train_start(self, trainer: Trainer) -> None:
@@ -145,6 +159,7 @@ class BalanceHook(TrainerHook):
                 CoordinatorConfig(max_local_samples=cap, verify_plans=self.verify_plans),
             )
         self._pending.clear()  # left over from a call that raised
+        self._observations.clear()
         self._check_same_config()
 
     def _check_same_config(self) -> None:
@@ -187,6 +202,7 @@ class BalanceHook(TrainerHook):
         """Stage III: wait for the metadata, plan, move the samples."""
         batch, pending, begin_s = handle
         t0 = time.perf_counter()
+        self._learn_until(step - METRICS_LAG)
         out, plan = pending.finish()
         ms = (time.perf_counter() - t0 + begin_s) * 1e3
         # same samples, same global candidate count: keep the trainer's extras
@@ -214,12 +230,34 @@ class BalanceHook(TrainerHook):
         plan, stats, balance_ms, counters = item
         assert self.planner is not None
         times = record.get("dense_ms_per_rank")
-        if times is not None:
-            self.planner.observe(plan, times)  # identical on every rank (all-gathered)
+        if times is not None:  # identical on every rank (all-gathered); learned from
+            # right before planning step + METRICS_LAG (_learn_until), not here
+            obs = [
+                step,
+                [float(x) for x in plan.rank_tokens],
+                [float(x) for x in plan.rank_sum_sq],
+                [int(x) for x in plan.assignment.counts],
+                [float(x) for x in times],
+            ]
+            with self._obs_lock:
+                self._observations.append(obs)
         rec = self.step_record(plan, stats, balance_ms, times, record.get("straggler_share"))
         rec.update(counters)  # as of this step (the hook may have balanced t+1 already)
         self.last_record = rec
         record["balance"] = rec
+
+    def _learn_until(self, last_step: int) -> None:
+        """Feed the planner the queued observations of steps ``<= last_step``, in step
+        order (the same set on every rank: see the module docstring)."""
+        q = self._observations
+        assert self.planner is not None
+        while True:
+            with self._obs_lock:
+                if not q or q[0][0] > last_step:
+                    return
+                _, tokens, sum_sq, counts, times = q.popleft()
+            self.planner.observe_sums(tokens, sum_sq, counts, times)
+            self.observations_applied += 1
 
     def step_record(
         self,
@@ -301,9 +339,14 @@ class BalanceHook(TrainerHook):
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Planner state (cost-model fit, AutoTune) and counters; restore on resume
-        together with ``BalanceConfig.replay_path`` for an exact replay."""
+        together with ``BalanceConfig.replay_path`` for an exact replay. The observed
+        steps not yet learned from (the last ``METRICS_LAG`` or so) are saved with it, so
+        a resumed run learns from them at the same steps as an uninterrupted one."""
+        with self._obs_lock:
+            queued = [list(o) for o in self._observations]
         return {
             "planner": None if self.planner is None else self.planner.state_dict(),
+            "observations": queued,
             "counters": {
                 "samples_moved_total": self.samples_moved_total,
                 "bytes_moved_total": self.bytes_moved_total,
@@ -318,6 +361,9 @@ class BalanceHook(TrainerHook):
             if self.planner is None:
                 raise RuntimeError("BalanceHook.load_state_dict before on_train_start")
             self.planner.load_state_dict(state["planner"])
+        with self._obs_lock:
+            self._observations.clear()
+            self._observations.extend(list(o) for o in state.get("observations", []))
         for k, v in state.get("counters", {}).items():
             setattr(self, k, int(v))
 

@@ -418,8 +418,8 @@ class Planner:
         self.world_size = int(world_size)
         self.rank = int(rank)
         cfg = self.config
-        if cost_model is not None:
-            self.cost_model = cost_model
+        if cost_model is not None:  # a copy: refits must not change the caller's model
+            self.cost_model = CostModel.from_dict(cost_model.to_dict())
         elif cfg.cost_model_path:
             self.cost_model = CostModel.load(cfg.cost_model_path)
         else:
@@ -570,15 +570,26 @@ class Planner:
     def observe(self, plan: Plan, rank_times_ms: Sequence[float]) -> None:
         """Feed the measured dense time of every rank for the step ``plan`` ran
         (all-gathered by the caller; identical on every rank)."""
+        self.observe_sums(plan.rank_tokens, plan.rank_sum_sq, plan.assignment.counts, rank_times_ms)
+
+    def observe_sums(
+        self,
+        rank_tokens: Sequence[float] | np.ndarray,
+        rank_sum_sq: Sequence[float] | np.ndarray,
+        rank_counts: Sequence[int] | np.ndarray,
+        rank_times_ms: Sequence[float],
+    ) -> None:
+        """:meth:`observe` from the plan's per-rank sums (tokens, sum of ``L^2``, sample
+        count): what a queued or checkpointed observation keeps of the plan."""
         t = np.asarray(rank_times_ms, dtype=np.float64)
         if t.size != self.world_size:
             raise ValueError(f"need {self.world_size} rank times, got {t.size}")
-        counts = plan.assignment.counts
+        tokens = np.asarray(rank_tokens, dtype=np.float64)
+        sum_sq = np.asarray(rank_sum_sq, dtype=np.float64)
+        counts = np.asarray(rank_counts, dtype=np.int64)
         for r in range(self.world_size):
             if counts[r] > 0:
-                self._measurements.append(
-                    (float(plan.rank_tokens[r]), float(plan.rank_sum_sq[r]), float(t[r]))
-                )
+                self._measurements.append((float(tokens[r]), float(sum_sq[r]), float(t[r])))
         self._observed += 1
         cfg = self.config
         if cfg.use_cost_model and cfg.refit_every and self._observed % cfg.refit_every == 0:
@@ -586,7 +597,7 @@ class Planner:
                 self.cost_model.fit(list(self._measurements))
                 self._fit_usable = self._length_matters()
         if self.autotune is not None and not self._uses_fit():
-            mean_len = np.where(counts > 0, plan.rank_tokens / np.maximum(counts, 1), 0.0)
+            mean_len = np.where(counts > 0, tokens / np.maximum(counts, 1), 0.0)
             self.autotune.update(t, mean_len)
 
     def state_dict(self) -> dict:

@@ -22,10 +22,15 @@ the training thread, in the same order as without the thread.
 
 Determinism: every collective of the thread is on groups only the thread uses, issued
 in step order on every rank. A hook that learns from measured step times (the
-balancer's cost model, ``on_metrics``) must see the same observations on every rank
-before planning a step: step ``s`` is planned only after the metrics of step
-``s - lag`` are finished (``lag`` = 4; the inline schedule plans ``s`` after ``s - 3``
-in events timing; both are fixed, so a run replays exactly).
+balancer's cost model and AutoTune, ``on_metrics``) must plan step ``s`` from the same
+observations on every rank. The gate guarantees a lower bound: step ``s`` is prepared
+only after the metrics of step ``s - lag`` are finished (``lag`` = :data:`METRICS_LAG`,
+4; the inline schedule plans ``s`` after ``s - 3`` in events timing). It is not an
+upper bound: when one rank's data stage runs late, its training thread may have
+finished the metrics of ``s - 3`` or ``s - 2`` too by then. So the hook itself learns
+from exactly the steps ``<= s - METRICS_LAG`` before planning ``s``, whatever else has
+arrived (``BalanceHook`` queues its observations; before session 17 it applied them on
+arrival, and a refit or AutoTune step could land between two ranks' plans of one step).
 
 Errors: an exception on the thread (rejected input on any rank, a collective error) is
 handed to the training thread and raised there when it asks for that step, after the
@@ -47,7 +52,11 @@ from freescale.data.batch import JaggedBatch
 from freescale.data.loader import put_until_stopped
 from freescale.metrics.host_cpu import note_thread_exit
 
-__all__ = ["DataStageThread", "PreparedBatch"]
+__all__ = ["METRICS_LAG", "DataStageThread", "PreparedBatch"]
+
+# the data stage prepares step s only after the metrics of step s - METRICS_LAG are
+# finished; hooks that learn from metrics plan s from exactly the steps <= s - METRICS_LAG
+METRICS_LAG = 4
 
 _DONE = object()
 
@@ -76,7 +85,7 @@ class DataStageThread:
         steps: list[int],
         *,
         depth: int = 2,
-        lag: int = 4,
+        lag: int = METRICS_LAG,
         num_threads: int | None = None,
         name: str = "freescale-data-stage",
     ) -> None:
