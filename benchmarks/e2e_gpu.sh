@@ -46,9 +46,10 @@
 #                                      # profiler-free, 3 passes: does the sticky partitioner's
 #                                      # smaller host cost (balance_host.json) show, and does it
 #                                      # balance real step times (straggler share) as well as fbs?
-#   bash benchmarks/e2e_gpu.sh partab  # ~5 min: vanilla, freescale (sticky on the cost model
+#   bash benchmarks/e2e_gpu.sh partab  # ~6 min: vanilla, freescale (sticky on the cost model
 #                                      # refitted online), freescale_fbs, freescale_sticky,
-#                                      # freescale_sticky2, 300 steps, 3 passes
+#                                      # freescale_sticky2, freescale_verify_plans, 300 steps,
+#                                      # 3 passes
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -570,16 +571,18 @@ sticky)
     vanilla freescale_fbs freescale_sticky
   ;;
 partab)
-  # (~5 min: 291 s at 570414c) session 16: the partitioners on GPUs. sticky balances exactly the costs it
+  # (~6 min; 291 s with 5 variants at 570414c) session 16: the partitioners on GPUs. sticky balances exactly the costs it
   # plans with (on L^1.5 the simulator puts it at 2x fbs's straggler share from 64 ranks
   # up: sticky_robustness.json); freescale_sticky_cost refits a*L + b*L^2 + c from the
   # measured dense times every 20 steps (does the online fit work here, and what does it
   # fit: e2e_passes.py prints the row's activity.balance_cost_model); freescale_sticky2 balances total length
   # and total squared length at once (0.02-0.2% in the simulator under every such cost).
   # 300 steps, profiler-free, 3 passes. Ran at 570414c (e2e_partab_570414c.*); since
-  # session 17 freescale IS sticky on the refitted model, so fbs runs as freescale_fbs
+  # session 17 freescale IS sticky on the refitted model, so fbs runs as freescale_fbs;
+  # freescale_verify_plans checks every plan's checksum across the ranks (the step-keyed
+  # learning fix, 3f886e0, on GPUs) and shows what the check costs
   three_passes e2e_partab "${PARTAB_LIMIT:-570}" "${PARTAB_STEPS:-300}" \
-    vanilla freescale freescale_fbs freescale_sticky freescale_sticky2
+    vanilla freescale freescale_fbs freescale_sticky freescale_sticky2 freescale_verify_plans
   ;;
 rep3)
   # (~7 min) session 15: freescale / vanilla moved from 0.910 to 1.139 to 1.023 between

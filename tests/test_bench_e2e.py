@@ -218,6 +218,7 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_sticky_cost"}  # sticky's balancer plans with a fitted cost model
     others |= {"freescale_sticky2", "balance_sticky2"}  # another partitioner only
     others |= {"freescale_fbs", "balance_fbs"}  # another partitioner only (the old default)
+    others |= {"freescale_verify_plans"}  # the balancer checks plans across ranks only
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
@@ -248,6 +249,10 @@ def test_diagnostic_variants_force_one_setting_only():
     assert balance_config("freescale_sticky_cost") == balance_config("freescale")
     assert balance_config("balance") == balance_config("freescale")
     assert balance_config("freescale").refit_every == FREESCALE_REFIT_EVERY
+    assert balance_config("freescale_verify_plans") == dataclasses.replace(
+        balance_config("freescale"), verify_plans=True
+    )
+    assert not any(balance_config(n).verify_plans for n in ("freescale", "balance"))
     got = _variant_cfg(base, "freescale_sticky_cost", "prioritized")
     assert got == dataclasses.replace(ref0, log_path=got.log_path)
     assert _SPEC["freescale_sticky_cost"] == _SPEC["freescale_sticky"]

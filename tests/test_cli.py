@@ -113,6 +113,9 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     assert bal.log_path == "p.jsonl" and bal.log_detail == "full"
     _, bal = parse("--mode", "freescale", "--log", "r.jsonl", "--balance", "fbs")
     assert bal.log_path is None  # deterministic plans: nothing to record
+    assert not bal.verify_plans
+    _, bal = parse("--mode", "freescale", "--balance-verify-plans")
+    assert bal.verify_plans and bal.partitioner == "sticky"
     cfg, bal = parse("--mode", "freescale", "--balance", "off", "--overlap-backend", "default")
     assert cfg.mode == "prioritized" and cfg.overlap_backend == "default" and bal is None
     cfg, bal = parse()  # defaults: vanilla, nothing on

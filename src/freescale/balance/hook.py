@@ -94,7 +94,7 @@ class BalanceHook(TrainerHook):
         self.comm = comm
         self._initial_cost_model = cost_model
         self.fuse_metadata = fuse_metadata
-        self.verify_plans = verify_plans
+        self.verify_plans = verify_plans or self.config.verify_plans
         self.backend = backend
         self.planner: Planner | None = None
         self.coordinator: BalanceCoordinator | None = None
@@ -431,6 +431,11 @@ def add_balance_flags(p: argparse.ArgumentParser) -> None:
         "(replay recomputes and verifies; ~100 bytes a step). Default full",
     )
     p.add_argument("--balance-replay", default=None, help="replay plans from this plan log")
+    p.add_argument(
+        "--balance-verify-plans",
+        action="store_true",
+        help="all-gather a checksum of every plan; raise naming the step if ranks differ",
+    )
 
 
 def balance_config_from_args(args: argparse.Namespace) -> BalanceConfig | None:
@@ -453,6 +458,7 @@ def balance_config_from_args(args: argparse.Namespace) -> BalanceConfig | None:
         log_path=getattr(args, "balance_log", None),
         log_detail=getattr(args, "balance_log_detail", None) or "full",
         replay_path=getattr(args, "balance_replay", None),
+        verify_plans=bool(getattr(args, "balance_verify_plans", False)),
     )
 
 

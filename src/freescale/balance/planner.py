@@ -60,6 +60,9 @@ class BalanceConfig:
     # "compact": scalars, cost state and checksums (replay recomputes and verifies)
     log_detail: str = "full"
     replay_path: str | None = None  # a plan log: logged steps are replayed, not re-planned
+    # all-gather a checksum of every plan and raise, naming the step, when the ranks'
+    # plans differ (one tiny collective per step; BalanceHook(verify_plans=True) too)
+    verify_plans: bool = False
 
     def __post_init__(self) -> None:
         fn = get_partitioner(self.partitioner)  # fail early on a typo

@@ -78,7 +78,11 @@ balances exactly the costs it is given, so at scale it needs the true cost
 (``benchmarks/sticky_robustness.py``); ``freescale_sticky2``,
 ``balance_sticky2``: freescale and balance with the ``sticky2`` partitioner (swaps
 from home that balance every rank's total length and total squared length, so every
-cost ``a*L + b*L^2 + c`` at once; tier 2); ``freescale_local_prepare``:
+cost ``a*L + b*L^2 + c`` at once; tier 2); ``freescale_verify_plans``: freescale whose
+balancer all-gathers a checksum of every plan and raises when the ranks' plans differ
+(``BalanceConfig.verify_plans``; one tiny collective per step on the data stage): the
+direct check, on GPUs, that the refitting balancer plans alike on every rank, and its
+cost; ``freescale_local_prepare``:
 freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
 ``c39168e``; same bits): what that change costs or gains. With the balancer it has
@@ -177,6 +181,7 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_sticky_cost",
     "freescale_sticky2",
     "balance_sticky2",
+    "freescale_verify_plans",
 )
 # diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
 _LOCAL_PREPARE = ("freescale_local_prepare",)
@@ -230,6 +235,7 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_sticky_cost": ("prioritized", "sticky"),
     "freescale_sticky2": ("prioritized", "sticky2"),
     "balance_sticky2": ("vanilla", "sticky2"),
+    "freescale_verify_plans": ("prioritized", _FS),
 }
 # variants named for their partitioner: their balancer is that one, on L^alpha costs
 _NAMED_PARTITIONER = (
@@ -350,6 +356,7 @@ def balance_config(variant: str) -> BalanceConfig | None:
         shadow=variant in _SHADOW,
         use_cost_model=refit > 0,
         refit_every=refit,
+        verify_plans=variant == "freescale_verify_plans",
     )
 
 
