@@ -419,35 +419,47 @@ def test_planner_degenerate_fit_keeps_power_costs():
     assert plan.cost_model["kind"] == "fit" and plan.cost_model["a"] > 0
 
 
-def test_hook_learns_step_keyed_and_checkpoints_what_it_has_not_learned():
-    """``BalanceHook.on_metrics`` queues a step's times; the planner learns from them
-    only right before planning ``step + METRICS_LAG`` (the same steps on every rank,
-    whatever the threads' timing); the queue goes into the hook's state, so a restored
-    hook learns from the same steps as the original."""
+def test_hook_plans_with_the_state_of_step_minus_lag_and_checkpoints_it():
+    """``BalanceHook.on_metrics`` learns from a step's times at once (the training
+    thread) and keeps the resulting cost state by step; step ``s`` is planned with the
+    state as of ``s - METRICS_LAG`` (the same on every rank whatever the threads'
+    timing). The kept states go into the hook's checkpoint, so a restored hook plans the
+    next steps with the same states. Mutations: planning with the current state (the
+    pre-session-17 behaviour) fails the first check; not saving the states fails the
+    restored comparison."""
     from freescale.balance.hook import BalanceHook
+    from freescale.pipeline.data_stage import METRICS_LAG
 
     cfg = BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=1)
 
     def hook():
         h = BalanceHook(cfg)
         h.planner = Planner(cfg, world_size=8)
+        h._states[None] = dict(h.planner.cost_model_state())  # what on_train_start does
         return h
 
     a = hook()
+    start = a._state_for(1)
+    by_step = {}
     for step in range(1, 9):
-        plan = a.planner.plan(_meta(step))
+        plan = a.planner.plan(_meta(step), a._state_for(step))
         a._pending[step] = (plan, None, 0.0, {})
-        times = [float(x) for x in 1e-3 * plan.rank_tokens + 0.5]
+        times = [float(x) * (1.0 + 0.1 * step) for x in 1e-3 * plan.rank_tokens + 0.5]
         a.on_metrics(None, step, {"dense_ms_per_rank": times})  # type: ignore[arg-type]
-    assert a.observations_applied == 0 and not a.planner.cost_model.num_fit_samples
+        by_step[step] = dict(a.planner.cost_model_state())
+    assert a.observations_applied == 8 and start["kind"] == "power"
+    assert by_step[8]["kind"] == "fit" and by_step[8] != by_step[5]  # it kept learning
+    for s in range(2, 13):
+        want = by_step[s - METRICS_LAG] if s - METRICS_LAG >= 1 else start
+        assert a._state_for(s) == want, s
     b = hook()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    for h in (a, b):
-        h._learn_until(5)
-        assert h.observations_applied == 5 and len(h._observations) == 3
-        assert h.planner.cost_model_state()["kind"] == "fit"
-    assert a.planner.plan(_meta(9)).same_as(b.planner.plan(_meta(9)))
-    assert a.planner.cost_model.to_dict() == b.planner.cost_model.to_dict()
+    for s in range(9, 13):
+        assert b._state_for(s) == a._state_for(s), s
+        assert b.planner.plan(_meta(s), b._state_for(s)).same_as(
+            a.planner.plan(_meta(s), a._state_for(s))
+        )
+    assert b.planner.cost_model.to_dict() == a.planner.cost_model.to_dict()
 
 
 # --------------------------------------------------------------------- coordinator

@@ -98,6 +98,46 @@ def test_interrupted_and_resumed_equals_uninterrupted(pool2, tmp_path, data_thre
             assert torch.equal(x[0]["tables"][key], y[0]["tables"][key])
 
 
+def _learning_hooks():
+    # sticky on a cost model refitted after every step, every plan's checksum compared
+    # across ranks: a resume that restored different learned states raises
+    cfg = BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=1, verify_plans=True)
+    return [BalanceHook(cfg)]
+
+
+def learning_uninterrupted(rank, world, cfg, ckdir, k):
+    hooks = _learning_hooks()
+    tr = Trainer(cfg, hooks=[*hooks, CheckpointHook(ckdir, every=k, final=False)])
+    tr.train(cfg.steps)
+    tr.close()
+    return hooks[0].observations_applied
+
+
+def learning_resumed(rank, world, cfg, ckpt):
+    hooks = _learning_hooks()
+    tr = Trainer(cfg, hooks=hooks)
+    step = load_checkpoint(tr, ckpt)
+    tr.train(cfg.steps - step)
+    tr.close()
+    states = hooks[0]._states
+    return step, hooks[0].samples_moved_total, sorted(k for k in states if k is not None)
+
+
+def test_learning_balancer_resumes_with_equal_plans_on_every_rank(pool2, tmp_path):
+    """A checkpoint taken while the data-stage thread plans ahead: the planner learns on
+    the training thread and the cost states it planned with are saved by step, so the
+    resumed ranks plan alike (``verify_plans`` raises otherwise) and keep learning."""
+    cfg = dataclasses.replace(_balanced_cfg(), steps=10, data_thread=True)
+    ck = str(tmp_path / "ck")
+    applied = pool2.run(learning_uninterrupted, cfg, ck, 5)
+    assert all(a == cfg.steps for a in applied)
+    res = pool2.run(learning_resumed, cfg, os.path.join(ck, "step_5"))
+    for step, moved, kept in res:
+        assert step == 5 and moved > 0
+        assert kept and max(kept) >= cfg.steps - 1  # learned after the resume too
+    assert res[0] == res[1]
+
+
 # --------------------------------------------------------- (b) 2 -> 4 re-shard
 def two_rank_save_and_continue(rank, world, cfg, ck, k):
     tr = Trainer(cfg)

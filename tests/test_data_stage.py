@@ -178,22 +178,28 @@ def test_rejected_input_with_data_thread(pool2):
 class _LatePlanner(BalanceHook):
     """Rank 0 plans every step 60 ms after its metadata arrived, so by then its training
     thread has finished more steps' metrics than rank 1's had when rank 1 planned the
-    same step. ``eager``: the mutation, learning from each step's times on arrival (on
-    the training thread), as the hook did before session 17."""
+    same step. ``eager``: the mutation, planning with the current cost state (what the
+    training thread has learned so far), as the hook did before session 17."""
 
     def __init__(self, *args, eager: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.eager = eager
+        self.plan_states: list[dict] = []
 
     def end_batch(self, trainer, step, handle):
         if self.comm.rank == 0:
             time.sleep(0.06)
-        return super().end_batch(trainer, step, handle)
+        out = super().end_batch(trainer, step, handle)
+        self.plan_states.append(dict(self.last_plan.cost_model))
+        return out
 
-    def on_metrics(self, trainer, step, record):
-        super().on_metrics(trainer, step, record)
+    def _state_for(self, step):
         if self.eager:
-            self._learn_until(step)
+            return dict(self.planner.cost_model_state())
+        return super()._state_for(step)
+
+
+START = {"a": 1.0, "b": 0.1, "c": 0.0}
 
 
 def _learning_run(rank, world, eager):
@@ -202,7 +208,7 @@ def _learning_run(rank, world, eager):
     )
     hook = _LatePlanner(
         BalanceConfig(partitioner="sticky", use_cost_model=True, refit_every=1),
-        cost_model=CostModel(a=1.0, b=0.1, c=0.0, fitted=True),
+        cost_model=CostModel(fitted=True, **START),
         verify_plans=True,  # every plan's checksum all-gathered: divergence raises
         eager=eager,
     )
@@ -218,7 +224,7 @@ def _learning_run(rank, world, eager):
     return {
         "err": err,
         "applied": hook.observations_applied,
-        "fitted": hook.planner.cost_model.num_fit_samples,
+        "states": hook.plan_states,
         "moved": hook.samples_moved_total,
     }
 
@@ -226,15 +232,25 @@ def _learning_run(rank, world, eager):
 def test_learning_balancer_plans_alike_on_every_rank(pool2):
     """With the data-stage thread, sticky on a cost model refitted after every step
     plans every step identically on both ranks (``verify_plans``) although rank 0 plans
-    late (its training thread is further ahead then): plan ``s`` learns from exactly the
-    steps ``<= s - METRICS_LAG``. It really learned (observations applied, fits made,
-    samples moved). Mutation: learning on arrival makes the ranks' plans diverge, and
-    the checksum all-gather names it."""
+    late (its training thread is further ahead then): plan ``s`` uses the cost state as
+    of step ``s - METRICS_LAG``. The learning was real: the first plans used the
+    starting model, later ones a refitted model or (a degenerate CPU fit) ``L^alpha``,
+    and samples moved. Mutation: planning with the current state makes the ranks'
+    plans diverge, and the checksum all-gather names it."""
     res = pool2.run(_learning_run, False)
     for r in res:
         assert r["err"] is None, r
-        assert r["applied"] == 14 - METRICS_LAG, r  # steps 1..10 learned from by step 14
-        assert r["fitted"] > 0 and r["moved"] > 0, r
-    assert res[0]["moved"] == res[1]["moved"]
+        assert r["applied"] == 14 and r["moved"] > 0, r
+        states = r["states"]
+        assert len(states) == 14
+        for st in states[:METRICS_LAG]:  # nothing learned yet: the starting model
+            assert st["kind"] == "fit" and {k: st[k] for k in START} == START, st
+        changed = [
+            st
+            for st in states[METRICS_LAG:]
+            if st["kind"] == "power" or any(st[k] != v for k, v in START.items())
+        ]
+        assert changed, states  # plans after the lag used what was learned
+    assert res[0]["states"] == res[1]["states"]
     bad = pool2.run(_learning_run, True)
     assert all(r["err"] is not None and "different plans" in r["err"] for r in bad), bad

@@ -268,8 +268,10 @@ class PendingBalance:
             raise TypeError(f"balance: unsupported field dtype in layout {ref.tolist()}")
         return ref
 
-    def finish(self) -> tuple[JaggedBatch, Plan]:
-        """Wait for the metadata, plan, move samples. Returns (local batch, plan)."""
+    def finish(self, state: dict | None = None) -> tuple[JaggedBatch, Plan]:
+        """Wait for the metadata, plan, move samples. Returns (local batch, plan).
+        ``state``: the cost state to plan with (:meth:`Planner.plan`; default the
+        planner's current one)."""
         if self._done is not None:
             return self._done
         t0 = time.perf_counter()
@@ -287,7 +289,7 @@ class PendingBalance:
         meta = GlobalMetadata.from_rank_lists(
             self.step, lens, ncand, [r[2] for r in rows], per_sample
         )
-        plan = planner.plan(meta)
+        plan = planner.plan(meta, state)
         if cfg.verify_plans:
             self._verify(plan)
         if plan.samples_moved == 0 or layout is None:

@@ -12,16 +12,19 @@ Per batch (synchronous for now, see README.md "Trainer integration"):
   then hands the trainer the rebalanced local batch; ``extras`` (``global_candidates``,
   which does not change: the same multiset of samples is trained on) are kept. The
   trainer fetches one step ahead, so this runs before step ``t-1`` trains.
-* ``on_metrics(step=t)``: queues the all-gathered per-rank dense times of step ``t`` for
-  :meth:`Planner.observe` (cost-model refits, AutoTune) and writes ``rec["balance"]``:
-  the plan summary, predicted vs measured straggler share, the lower bound, samples and
-  bytes moved, planning and balancing time, and the counters as of step ``t``.
-* Learning is step-keyed: right before planning step ``s`` the planner observes exactly
-  the queued steps ``<= s - METRICS_LAG`` (4, :mod:`freescale.pipeline.data_stage`), in
-  step order, on the planning thread. Which other steps' metrics have arrived by then
-  depends on thread timing and differs between ranks (the data-stage thread plans
-  ahead of the training thread); the plans must not, or the sample exchange would move
-  wrong data.
+* ``on_metrics(step=t)``: feeds the all-gathered per-rank dense times of step ``t`` to
+  :meth:`Planner.observe` (cost-model refits, AutoTune), on the training thread, and
+  keeps the resulting cost state (``Planner.cost_model_state``) keyed by ``t``; it also
+  writes ``rec["balance"]``: the plan summary, predicted vs measured straggler share,
+  the lower bound, samples and bytes moved, planning and balancing time, and the
+  counters as of step ``t``.
+* Plans use the state as of step ``s - METRICS_LAG`` (4,
+  :mod:`freescale.pipeline.data_stage`): the newest kept state of a step
+  ``<= s - METRICS_LAG``. Which later steps' metrics have arrived when step ``s`` is
+  planned depends on thread timing and differs between ranks (the data-stage thread
+  plans ahead of the training thread); the plans must not, or the sample exchange
+  would move wrong data. Learning stays on the training thread, so a checkpoint's
+  planner state is the same on every rank; the kept states go into it too.
 
 It may not touch the model, the embeddings or the loss: it only replaces the local
 batch with another placement of the same samples. Evaluation batches are not
@@ -31,7 +34,6 @@ balanced (the trainer's ``evaluate`` runs no hooks).
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import json
 import threading
@@ -60,6 +62,9 @@ __all__ = [
 
 # per-rank arrays go into the step record only up to this world size (log size)
 _PER_RANK_MAX_WORLD = 16
+# cost states kept by the step they were learned at (plans use the one of step - 4; the
+# data-stage thread plans at most ~3 steps ahead of the training thread)
+_KEEP_STATES = 32
 
 
 class BalanceHook(TrainerHook):
@@ -108,12 +113,11 @@ class BalanceHook(TrainerHook):
         # steps balanced but not yet observed: the trainer fetches (and so balances)
         # batch t+1 before step t trains, so up to two are pending
         self._pending: dict[int, tuple[Plan, MoveStats | None, float, dict[str, int]]] = {}
-        # observed steps not yet learned from, in step order: [step, rank tokens, rank
-        # sum L^2, rank counts, rank dense ms]; appended by on_metrics (training
-        # thread), drained before planning (the data stage's thread, or the training
-        # thread inline), saved by state_dict (under the lock: two threads)
-        self._observations: collections.deque[list[Any]] = collections.deque()
-        self._obs_lock = threading.Lock()
+        # cost states by the last step learned from (None: before any), written by
+        # on_metrics (training thread), read by end_batch (the planning thread: the data
+        # stage's, or the training thread inline); under the lock: two threads
+        self._states: dict[int | None, dict[str, Any]] = {}
+        self._states_lock = threading.Lock()
         self.observations_applied = 0
 
     # ------------------------------------------------------------------ set-up
@@ -159,7 +163,8 @@ class BalanceHook(TrainerHook):
                 CoordinatorConfig(max_local_samples=cap, verify_plans=self.verify_plans),
             )
         self._pending.clear()  # left over from a call that raised
-        self._observations.clear()
+        with self._states_lock:  # kept across train() calls (and restored on resume)
+            self._states.setdefault(None, dict(self.planner.cost_model_state()))
         self._check_same_config()
 
     def _check_same_config(self) -> None:
@@ -202,8 +207,7 @@ class BalanceHook(TrainerHook):
         """Stage III: wait for the metadata, plan, move the samples."""
         batch, pending, begin_s = handle
         t0 = time.perf_counter()
-        self._learn_until(step - METRICS_LAG)
-        out, plan = pending.finish()
+        out, plan = pending.finish(self._state_for(step))
         ms = (time.perf_counter() - t0 + begin_s) * 1e3
         # same samples, same global candidate count: keep the trainer's extras
         if out is not batch:
@@ -230,34 +234,33 @@ class BalanceHook(TrainerHook):
         plan, stats, balance_ms, counters = item
         assert self.planner is not None
         times = record.get("dense_ms_per_rank")
-        if times is not None:  # identical on every rank (all-gathered); learned from
-            # right before planning step + METRICS_LAG (_learn_until), not here
-            obs = [
-                step,
-                [float(x) for x in plan.rank_tokens],
-                [float(x) for x in plan.rank_sum_sq],
-                [int(x) for x in plan.assignment.counts],
-                [float(x) for x in times],
-            ]
-            with self._obs_lock:
-                self._observations.append(obs)
+        if times is not None:  # identical on every rank (all-gathered)
+            self.planner.observe(plan, times)
+            self.observations_applied += 1
+            state = dict(self.planner.cost_model_state())
+            with self._states_lock:
+                self._states[step] = state
+                # the planning thread runs at most a few steps ahead: keep the newest
+                # _KEEP_STATES (here on the training thread: the same set on every rank)
+                steps = sorted(k for k in self._states if k is not None)
+                for k in steps[: max(len(steps) - _KEEP_STATES, 0)]:
+                    del self._states[k]
         rec = self.step_record(plan, stats, balance_ms, times, record.get("straggler_share"))
         rec.update(counters)  # as of this step (the hook may have balanced t+1 already)
         self.last_record = rec
         record["balance"] = rec
 
-    def _learn_until(self, last_step: int) -> None:
-        """Feed the planner the queued observations of steps ``<= last_step``, in step
-        order (the same set on every rank: see the module docstring)."""
-        q = self._observations
-        assert self.planner is not None
-        while True:
-            with self._obs_lock:
-                if not q or q[0][0] > last_step:
-                    return
-                _, tokens, sum_sq, counts, times = q.popleft()
-            self.planner.observe_sums(tokens, sum_sq, counts, times)
-            self.observations_applied += 1
+    def _state_for(self, step: int) -> dict[str, Any]:
+        """The cost state to plan ``step`` with: the newest kept state of a step
+        ``<= step - METRICS_LAG``, else the one from before any learning."""
+        last = step - METRICS_LAG
+        with self._states_lock:
+            keys = [k for k in self._states if k is not None and k <= last]
+            key: int | None = max(keys) if keys else None
+            if key in self._states:
+                return dict(self._states[key])
+        assert self.planner is not None  # nothing kept: a hook driven outside the trainer
+        return dict(self.planner.cost_model_state())
 
     def step_record(
         self,
@@ -339,14 +342,16 @@ class BalanceHook(TrainerHook):
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Planner state (cost-model fit, AutoTune) and counters; restore on resume
-        together with ``BalanceConfig.replay_path`` for an exact replay. The observed
-        steps not yet learned from (the last ``METRICS_LAG`` or so) are saved with it, so
-        a resumed run learns from them at the same steps as an uninterrupted one."""
-        with self._obs_lock:
-            queued = [list(o) for o in self._observations]
+        together with ``BalanceConfig.replay_path`` for an exact replay. Call it on the
+        training thread (as :class:`~freescale.pipeline.checkpoint.CheckpointHook`
+        does): the planner learns there, so its state is the same on every rank. The
+        kept cost states (the last ``METRICS_LAG`` or so steps) go with it, so a resumed
+        run plans its next steps with the same states as an uninterrupted one."""
+        with self._states_lock:
+            states = [[k, dict(v)] for k, v in self._states.items()]
         return {
             "planner": None if self.planner is None else self.planner.state_dict(),
-            "observations": queued,
+            "cost_states": states,
             "counters": {
                 "samples_moved_total": self.samples_moved_total,
                 "bytes_moved_total": self.bytes_moved_total,
@@ -361,9 +366,11 @@ class BalanceHook(TrainerHook):
             if self.planner is None:
                 raise RuntimeError("BalanceHook.load_state_dict before on_train_start")
             self.planner.load_state_dict(state["planner"])
-        with self._obs_lock:
-            self._observations.clear()
-            self._observations.extend(list(o) for o in state.get("observations", []))
+        with self._states_lock:
+            if "cost_states" in state:
+                self._states = {k: dict(v) for k, v in state["cost_states"]}
+            elif self.planner is not None:  # a checkpoint from before session 17
+                self._states = {None: dict(self.planner.cost_model_state())}
         for k, v in state.get("counters", {}).items():
             setattr(self, k, int(v))
 

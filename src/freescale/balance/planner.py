@@ -477,8 +477,11 @@ class Planner:
         return _state_model(state or self.cost_model_state()).sample_costs(lengths)
 
     # --------------------------------------------------------------- planning
-    def plan(self, meta: GlobalMetadata) -> Plan:
-        """The plan of ``meta.step`` (replayed from the log when it holds that step)."""
+    def plan(self, meta: GlobalMetadata, state: dict | None = None) -> Plan:
+        """The plan of ``meta.step`` (replayed from the log when it holds that step).
+        ``state``: the cost state to plan with (a :meth:`cost_model_state` taken
+        earlier; :class:`~freescale.balance.hook.BalanceHook` passes the one as of step
+        ``meta.step - METRICS_LAG``, the same on every rank); default the current one."""
         if meta.world_size != self.world_size:
             raise ValueError(
                 f"metadata has {meta.world_size} ranks, planner expects {self.world_size}"
@@ -489,7 +492,9 @@ class Planner:
             plan = self._replay_record(rec, meta, digest)
         else:
             cfg = self.config
-            plan = self._compute(meta, digest, cfg.partitioner, cfg.shadow, self.cost_model_state())
+            if state is None:
+                state = self.cost_model_state()
+            plan = self._compute(meta, digest, cfg.partitioner, cfg.shadow, state)
         if self._log is not None and not (
             plan.replayed and self._log.path == self.config.replay_path
         ):

@@ -27,10 +27,11 @@ observations on every rank. The gate guarantees a lower bound: step ``s`` is pre
 only after the metrics of step ``s - lag`` are finished (``lag`` = :data:`METRICS_LAG`,
 4; the inline schedule plans ``s`` after ``s - 3`` in events timing). It is not an
 upper bound: when one rank's data stage runs late, its training thread may have
-finished the metrics of ``s - 3`` or ``s - 2`` too by then. So the hook itself learns
-from exactly the steps ``<= s - METRICS_LAG`` before planning ``s``, whatever else has
-arrived (``BalanceHook`` queues its observations; before session 17 it applied them on
-arrival, and a refit or AutoTune step could land between two ranks' plans of one step).
+finished the metrics of ``s - 3`` or ``s - 2`` too by then. So the hook plans ``s`` with
+the cost state it had learned as of step ``s - METRICS_LAG``, whatever else has arrived
+(``BalanceHook`` keeps its state per learned step; before session 17 it planned with
+the current one, and a refit or AutoTune step could land between two ranks' plans of
+one step).
 
 Errors: an exception on the thread (rejected input on any rank, a collective error) is
 handed to the training thread and raised there when it asks for that step, after the
@@ -55,7 +56,7 @@ from freescale.metrics.host_cpu import note_thread_exit
 __all__ = ["METRICS_LAG", "DataStageThread", "PreparedBatch"]
 
 # the data stage prepares step s only after the metrics of step s - METRICS_LAG are
-# finished; hooks that learn from metrics plan s from exactly the steps <= s - METRICS_LAG
+# finished; hooks that learn from metrics plan s with what they knew as of s - METRICS_LAG
 METRICS_LAG = 4
 
 _DONE = object()
