@@ -460,6 +460,10 @@ def test_hook_plans_with_the_state_of_step_minus_lag_and_checkpoints_it():
             a.planner.plan(_meta(s), a._state_for(s))
         )
     assert b.planner.cost_model.to_dict() == a.planner.cost_model.to_dict()
+    # a schedule that had not finished step s - METRICS_LAG's metrics is an error, not a
+    # plan with an older state on this rank only
+    with pytest.raises(RuntimeError, match="planning step 13 needs the metrics of step 9"):
+        a._state_for(13)
 
 
 # --------------------------------------------------------------------- coordinator

@@ -135,7 +135,9 @@ def test_learning_balancer_resumes_with_equal_plans_on_every_rank(pool2, tmp_pat
     for step, moved, kept in res:
         assert step == 5 and moved > 0
         assert kept and max(kept) >= cfg.steps - 1  # learned after the resume too
-    assert res[0] == res[1]
+    # (samples_moved_total is reporting only: with the data-stage thread the saved counter
+    # includes the steps it had planned ahead, which differ by rank)
+    assert res[0][2] == res[1][2]
 
 
 # --------------------------------------------------------- (b) 2 -> 4 re-shard

@@ -119,6 +119,7 @@ class BalanceHook(TrainerHook):
         self._states: dict[int | None, dict[str, Any]] = {}
         self._states_lock = threading.Lock()
         self.observations_applied = 0
+        self._last_metrics: int | None = None  # newest step on_metrics has seen (this run)
 
     # ------------------------------------------------------------------ set-up
     def on_train_start(self, trainer: Trainer) -> None:
@@ -231,6 +232,7 @@ class BalanceHook(TrainerHook):
         item = self._pending.pop(step, None)
         if item is None:
             return
+        self._last_metrics = step
         plan, stats, balance_ms, counters = item
         assert self.planner is not None
         times = record.get("dense_ms_per_rank")
@@ -254,6 +256,13 @@ class BalanceHook(TrainerHook):
         """The cost state to plan ``step`` with: the newest kept state of a step
         ``<= step - METRICS_LAG``, else the one from before any learning."""
         last = step - METRICS_LAG
+        seen = self._last_metrics
+        if seen is not None and seen < last:  # a schedule that finishes metrics later
+            raise RuntimeError(  # would plan step with fewer steps learned on some ranks
+                f"balance: planning step {step} needs the metrics of step {last}; the "
+                f"newest finished is {seen} (the trainer must finish step s's metrics "
+                f"before planning s + {METRICS_LAG})"
+            )
         with self._states_lock:
             keys = [k for k in self._states if k is not None and k <= last]
             key: int | None = max(keys) if keys else None
@@ -345,8 +354,12 @@ class BalanceHook(TrainerHook):
         together with ``BalanceConfig.replay_path`` for an exact replay. Call it on the
         training thread (as :class:`~freescale.pipeline.checkpoint.CheckpointHook`
         does): the planner learns there, so its state is the same on every rank. The
-        kept cost states (the last ``METRICS_LAG`` or so steps) go with it, so a resumed
-        run plans its next steps with the same states as an uninterrupted one."""
+        kept cost states (up to ``_KEEP_STATES``) go with it, so the resumed ranks plan
+        their next steps alike. Not as an uninterrupted run would without the replay log:
+        a checkpoint is written before its step's metrics are finished, so the resumed
+        run never learns from the last one to three steps before it. The counters are
+        reporting only; with the data-stage thread they include the steps it had planned
+        ahead, which differ by rank and are planned again after the resume."""
         with self._states_lock:
             states = [[k, dict(v)] for k, v in self._states.items()]
         return {
@@ -366,11 +379,16 @@ class BalanceHook(TrainerHook):
             if self.planner is None:
                 raise RuntimeError("BalanceHook.load_state_dict before on_train_start")
             self.planner.load_state_dict(state["planner"])
+        if self.planner is not None:
+            # written at 3f886e0-2425ed3 (same session): observations not yet learned
+            for obs in state.get("observations", []):
+                self.planner.observe_sums(*obs[1:])
         with self._states_lock:
             if "cost_states" in state:
                 self._states = {k: dict(v) for k, v in state["cost_states"]}
-            elif self.planner is not None:  # a checkpoint from before session 17
-                self._states = {None: dict(self.planner.cost_model_state())}
+            if self.planner is not None:  # a checkpoint without states: plan with the
+                # restored planner's until the first learned step (the same on every rank)
+                self._states.setdefault(None, dict(self.planner.cost_model_state()))
         for k, v in state.get("counters", {}).items():
             setattr(self, k, int(v))
 
