@@ -379,10 +379,6 @@ class BalanceHook(TrainerHook):
             if self.planner is None:
                 raise RuntimeError("BalanceHook.load_state_dict before on_train_start")
             self.planner.load_state_dict(state["planner"])
-        if self.planner is not None:
-            # written at 3f886e0-2425ed3 (same session): observations not yet learned
-            for obs in state.get("observations", []):
-                self.planner.observe_sums(*obs[1:])
         with self._states_lock:
             if "cost_states" in state:
                 self._states = {k: dict(v) for k, v in state["cost_states"]}

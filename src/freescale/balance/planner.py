@@ -578,23 +578,11 @@ class Planner:
     def observe(self, plan: Plan, rank_times_ms: Sequence[float]) -> None:
         """Feed the measured dense time of every rank for the step ``plan`` ran
         (all-gathered by the caller; identical on every rank)."""
-        self.observe_sums(plan.rank_tokens, plan.rank_sum_sq, plan.assignment.counts, rank_times_ms)
-
-    def observe_sums(
-        self,
-        rank_tokens: Sequence[float] | np.ndarray,
-        rank_sum_sq: Sequence[float] | np.ndarray,
-        rank_counts: Sequence[int] | np.ndarray,
-        rank_times_ms: Sequence[float],
-    ) -> None:
-        """:meth:`observe` from the plan's per-rank sums (tokens, sum of ``L^2``, sample
-        count): what a queued or checkpointed observation keeps of the plan."""
         t = np.asarray(rank_times_ms, dtype=np.float64)
         if t.size != self.world_size:
             raise ValueError(f"need {self.world_size} rank times, got {t.size}")
-        tokens = np.asarray(rank_tokens, dtype=np.float64)
-        sum_sq = np.asarray(rank_sum_sq, dtype=np.float64)
-        counts = np.asarray(rank_counts, dtype=np.int64)
+        tokens, sum_sq = plan.rank_tokens, plan.rank_sum_sq
+        counts = plan.assignment.counts
         for r in range(self.world_size):
             if counts[r] > 0:
                 self._measurements.append((float(tokens[r]), float(sum_sq[r]), float(t[r])))
