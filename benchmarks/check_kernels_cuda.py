@@ -51,8 +51,17 @@ def main() -> int:
                     # long segments over many chunks and blocks (segments reach 39 ids)
                     "triton_c16": triton_impl.ranged_dispatch(*args, mode=mode, chunk=16, block=16),
                     "triton_c32": triton_impl.ranged_dispatch(*args, mode=mode, chunk=32, block=16),
-                    # v4 (FREESCALE_TRITON_DISPATCH=v4), both lengths paths
+                    # v4 (FREESCALE_TRITON_DISPATCH=v4), both lengths paths; the default
+                    # finds same-dest lanes with PTX match.any, the portable compare path
+                    # and the first v4's scatter order are checked too; small tiles and
+                    # scatter blocks so a tile spans several blocks at these sizes
                     "triton_v4": ranged_dispatch_v4(*args, mode=mode),
+                    "triton_v4_small": ranged_dispatch_v4(
+                        *args, mode=mode, tile=256, scatter_block=64, peers="match"
+                    ),
+                    "triton_v4_compare": ranged_dispatch_v4(
+                        *args, mode=mode, peers="compare", scatter_order="block"
+                    ),
                     "triton_v4_columns": ranged_dispatch_v4(
                         *args, mode=mode, lengths_mode="columns"
                     ),

@@ -47,6 +47,18 @@ def _equal(a, b) -> bool:
     )
 
 
+def _v4_variant(spec: str, module):
+    """``v4:KNOB=VALUE,...`` -> `ranged_dispatch_v4` with those knobs (ints where numeric)."""
+    name, _, knobs = spec.partition(":")
+    if name != "v4" or not knobs:
+        raise SystemExit(f"unknown version {spec!r}: v1, v2, v3, v4, v4_columns or v4:K=V,...")
+    kw = {}
+    for item in knobs.split(","):
+        key, _, value = item.partition("=")
+        kw[key] = int(value) if value.isdigit() else value
+    return partial(module.ranged_dispatch_v4, **kw)
+
+
 def profile_one(fn, device: torch.device, calls: int) -> dict[str, tuple[float, int]]:
     """Device time per kernel name over ``calls`` calls: {name: (total ms, count)}."""
     from torch.profiler import ProfilerActivity, profile
@@ -89,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         "--versions",
         nargs="+",
         default=["v1", "v2", "v3"],
-        choices=["v1", "v2", "v3", "v4", "v4_columns"],
-        help="kernels to profile (v4: triton_dispatch_v4, lengths_mode='rows'; v4_columns: "
-        "the first v4); an experimental v4 that fails to compile or disagrees is skipped",
+        help="kernels to profile: v1, v2, v3, v4 (triton_dispatch_v4 at its defaults), "
+        "v4_columns (lengths_mode='columns'), or v4:KNOB=VALUE[,KNOB=VALUE...] with "
+        "`ranged_dispatch_v4` keyword knobs (e.g. v4:peers=compare,scatter_order=block); "
+        "an experimental v4 that fails to compile or disagrees is skipped",
     )
+    ap.add_argument("--worlds", type=int, nargs="+", default=None, help=f"default {WORLDS}")
     args = ap.parse_args(argv)
     from freescale.kernels import triton_impl
 
@@ -113,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         "v4": partial(triton_dispatch_v4.ranged_dispatch_v4, lengths_mode="rows"),
         "v4_columns": partial(triton_dispatch_v4.ranged_dispatch_v4, lengths_mode="columns"),
     }
-    versions = {v: every[v] for v in args.versions}
+    versions = {v: every.get(v) or _v4_variant(v, triton_dispatch_v4) for v in args.versions}
+    worlds = args.worlds or worlds
     rows, headline = [], {}
     for name, batch, total in loads:
         wl = make_workload(name, batch, total, device, seed=0, smoke=args.smoke)

@@ -80,8 +80,11 @@ def test_v4_matches_reference(gen, world, mode, lengths_mode):
             gen, world, max_batch=6, max_len=70, with_weights=i % 2 == 0, **_dtypes(world + i)
         )
         args = (case.values, case.lengths, case.block_sizes, world)
+        # both scatter orders: a tile's blocks adjacent (default) and the first v4's
+        order = ("tile", "block")[i % 2]
         _check(args, mode, case.weights, case.describe(), tile=tile, chunk=chunk,
-               scatter_block=block, lengths_mode=lengths_mode)  # fmt: skip
+               scatter_block=block, lengths_mode=lengths_mode,
+               scatter_order=order)  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [1, 5, 300, 1024])
@@ -195,7 +198,9 @@ def test_v4_rejects_bad_knobs():
     v4 = _v4()
     args = (torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([4]), 2)
     bad = ({"tile": 48}, {"tile": 8}, {"chunk": 64}, {"scatter_block": 24},
-           {"finish_block": 8}, {"finish_block": 512}, {"lengths_mode": "diagonal"})  # fmt: skip
+           {"finish_block": 8}, {"finish_block": 512}, {"lengths_mode": "diagonal"},
+           {"scatter_order": "random"}, {"peers": "ballot"},
+           {"peers": "match"})  # fmt: skip  # match: PTX, needs CUDA
     for knobs in bad:
         with pytest.raises(ValueError):
             v4.ranged_dispatch_v4(*args, **knobs)
@@ -207,7 +212,8 @@ def test_v4_default_config():
     v4 = _v4()
     cpu = v4.default_config_v4(8, torch.device("cpu"), 1 << 20)
     assert (cpu.tile, cpu.chunk, cpu.scatter_block, cpu.finish_block) == (64, 16, 32, 16)
-    assert cpu.lengths_mode == "rows"
+    assert (cpu.lengths_mode, cpu.scatter_order, cpu.peers) == ("rows", "tile", "auto")
+    assert not v4._use_match(cpu, torch.device("cpu"))  # the interpreter compares
     cuda = torch.device("cuda")
     assert v4.default_config_v4(1024, cuda, 1 << 26).tile == 8192
     assert v4.default_config_v4(8, cuda, 1 << 20).tile == 1024
@@ -223,7 +229,7 @@ if triton_available():  # a module-level kernel: jit functions resolve names in 
     @triton.jit
     def _probe_chunk_rank(dest_ptr, earlier_ptr, last_ptr, CHUNK: tl.constexpr):
         lane = tl.arange(0, CHUNK)
-        earlier, last = _chunk_rank(tl.load(dest_ptr + lane), CHUNK)
+        earlier, last = _chunk_rank(tl.load(dest_ptr + lane), CHUNK, False)
         tl.store(earlier_ptr + lane, earlier)
         tl.store(last_ptr + lane, last.to(tl.int32))
 

@@ -114,6 +114,8 @@ from freescale.kernels.common import DispatchResult, check_dispatch_inputs
 MAX_WORLD = (1 << 15) - 1  # dest is stored in the high 16 bits of a non-negative int32
 MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
 LENGTHS_MODES = ("rows", "columns")  # `V4Config.lengths_mode`
+SCATTER_ORDERS = ("tile", "block")  # `V4Config.scatter_order`
+PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,16 +149,41 @@ def _popcount32(x):
 
 
 @triton.jit
-def _chunk_rank(dest, CHUNK: tl.constexpr):
+def _match_any(dest):
+    """PTX ``match.any.sync``: per lane, the lanes of its warp holding the same int32 (one
+    instruction). Valid only where element i of a 32-element tensor lives in lane i of the
+    one warp (`V4Config.peers`; `benchmarks/check_kernels_cuda.py` checks the bits)."""
+    return tl.inline_asm_elementwise(
+        "match.any.sync.b32 $0, $1, -1;", "=r,r", [dest], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _popc(x):
+    """PTX ``popc.b32`` (set bits of an int32; elementwise, any layout)."""
+    return tl.inline_asm_elementwise(
+        "popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _chunk_rank(dest, CHUNK: tl.constexpr, MATCH: tl.constexpr):
     """Per lane of a chunk (CHUNK <= 32 lanes): (earlier lanes with the same dest, whether
     no later lane has it). ``peers`` holds, as bits, the lanes sharing the lane's dest:
-    [chunk, chunk] equalities OR-reduced over axis 0 (in-thread with one warp)."""
+    with MATCH (CUDA, CHUNK == 32) the warp's ``match.any`` and ``popc`` instructions,
+    otherwise [chunk, chunk] equalities OR-reduced over axis 0 (in-thread with one warp;
+    ~100 instructions per chunk on sm_90, what the interpreter runs)."""
     bit = tl.full([CHUNK], 1, tl.int32) << tl.arange(0, CHUNK)
     below = bit - 1  # lanes before this one
     above = ~(below | bit)  # lanes after this one
-    same = dest[:, None] == dest[None, :]
-    peers = tl.reduce(tl.where(same, bit[:, None], 0), 0, _bit_or)
-    return _popcount32(peers & below), (peers & above) == 0
+    if MATCH:
+        peers = _match_any(dest)
+        earlier = _popc(peers & below)
+    else:
+        same = dest[:, None] == dest[None, :]
+        peers = tl.reduce(tl.where(same, bit[:, None], 0), 0, _bit_or)
+        earlier = _popcount32(peers & below)
+    return earlier, (peers & above) == 0
 
 
 @triton.jit
@@ -176,6 +203,7 @@ def _rank_piece(
     WORLD: tl.constexpr,
     MODULO: tl.constexpr,
     CHUNK: tl.constexpr,
+    MATCH: tl.constexpr,
 ):
     """Rank ids ``values[lo:hi]`` (one key) in order, CHUNK at a time, against the counters
     ``row_ptr[0:W]`` (ids of each dest seen so far in this tile); write
@@ -198,7 +226,7 @@ def _rank_piece(
         ahead = offs + 2 * CHUNK
         nxt2 = tl.load(values_ptr + ahead, mask=ahead < hi, other=0).to(tl.int64)
         dest = tl.where(mask, _owner(ids, blk, WORLD, MODULO), -1)  # padding matches none
-        earlier, last = _chunk_rank(dest, CHUNK)
+        earlier, last = _chunk_rank(dest, CHUNK, MATCH)
         rank = tl.load(row_ptr + dest, mask=mask, other=0) + earlier
         tl.store(ranks_ptr + offs, dest * 65536 + rank, mask=mask)
         tl.debug_barrier()  # every lane has read its counter before any is written back
@@ -344,6 +372,7 @@ def _v4_rank_kernel(
     MODULO: tl.constexpr,
     CHUNK: tl.constexpr,
     WB: tl.constexpr,
+    MATCH: tl.constexpr,
 ):
     """Tile t (one warp), piece by piece (a piece = the tile's ids of one segment):
     ranks of its ids (`_rank_piece`, counters in rows[t]); counts[d * T + t] = ids of
@@ -369,7 +398,7 @@ def _v4_rank_kernel(
     tl.debug_barrier()
 
     head_end = tl.where(seg_lo < seg_hi, tl.load(seg_offsets_ptr + seg_lo), end)
-    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK)
+    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK, MATCH)
     for b in tl.range(0, WORLD, WB):
         m = b + wl < WORLD
         seen = tl.load(counters + b + wl, mask=m, other=0)
@@ -381,7 +410,7 @@ def _v4_rank_kernel(
     while s < seg_hi:
         seg_end = tl.load(seg_offsets_ptr + s + 1)
         _rank_piece(values_ptr, ranks_ptr, counters, seg_start, tl.minimum(seg_end, end), blk,
-                    WORLD, MODULO, CHUNK)  # fmt: skip
+                    WORLD, MODULO, CHUNK, MATCH)  # fmt: skip
         crossing = seg_end > end  # only the last owned segment can run past the tile
         for b in tl.range(0, WORLD, WB):
             m = b + wl < WORLD
@@ -419,6 +448,7 @@ def _v4_rank_rows_kernel(
     MODULO: tl.constexpr,
     CHUNK: tl.constexpr,
     WB: tl.constexpr,
+    MATCH: tl.constexpr,
 ):
     """lengths="rows": tile t (one warp) ranks its ids piece by piece like
     `_v4_rank_kernel` (counters in rows[t], counts[d * T + t] at the end), and before the
@@ -440,7 +470,7 @@ def _v4_rank_rows_kernel(
     tl.debug_barrier()
 
     head_end = tl.where(seg_lo < seg_hi, tl.load(seg_offsets_ptr + seg_lo), end)
-    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK)
+    _rank_piece(values_ptr, ranks_ptr, counters, start, head_end, blk, WORLD, MODULO, CHUNK, MATCH)
     s = seg_lo
     seg_start = head_end
     while s < seg_hi:
@@ -453,7 +483,7 @@ def _v4_rank_rows_kernel(
         tl.store(seg_tile_ptr + s, t)
         seg_end = tl.load(seg_offsets_ptr + s + 1)
         _rank_piece(values_ptr, ranks_ptr, counters, seg_start, tl.minimum(seg_end, end), blk,
-                    WORLD, MODULO, CHUNK)  # fmt: skip
+                    WORLD, MODULO, CHUNK, MATCH)  # fmt: skip
         seg_start = seg_end
         s += 1
     for b in tl.range(0, WORLD, WB):
@@ -662,12 +692,25 @@ def _v4_scatter_kernel(
     MODULO: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    TILE_MAJOR: tl.constexpr,
 ):
-    """Block pid1 of tile pid0: position = et[t, dest] + rank in tile; local row."""
-    t = tl.program_id(0).to(tl.int64)
+    """Block b of tile t: position = et[t, dest] + rank in tile; local row. TILE_MAJOR:
+    program p is block p % BLOCKS_PER_TILE of tile p // BLOCKS_PER_TILE, so a tile's
+    blocks run together and fill its short per-dest runs while their sectors sit in L2;
+    otherwise (the first v4) p is tile p % T, block p // T: every block of a wave writes
+    ~1 id per dest run and the run's sectors are completed a whole grid pass later."""
+    pid = tl.program_id(0)
+    if TILE_MAJOR:
+        t = (pid // BLOCKS_PER_TILE).to(tl.int64)
+        b = pid % BLOCKS_PER_TILE
+    else:
+        num_tiles = tl.num_programs(0) // BLOCKS_PER_TILE
+        t = (pid % num_tiles).to(tl.int64)
+        b = pid // num_tiles
     start = tl.load(tile_start_ptr + t)
     end = tl.load(tile_end_ptr + t)
-    offs = start + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = start + b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < end
     blk = tl.load(block_sizes_ptr + tl.load(tile_key_ptr + t)).to(tl.int64)
     ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
@@ -699,6 +742,12 @@ class V4Config:
     chunk: ids ranked together (16 or 32): a lane each of the rank program's one warp.
     scatter_block: ids per scatter program (power of two >= 16).
     scatter_warps: warps per scatter program.
+    scatter_order: "tile" (default): a tile's scatter blocks are adjacent in launch order;
+        "block" (the first v4): the grid walks every tile's first block, then every
+        tile's second, ... (see `_v4_scatter_kernel`).
+    peers: how a chunk's lanes find same-dest lanes: "match" (PTX ``match.any.sync`` +
+        ``popc``; CUDA and chunk 32 only), "compare" ([chunk, chunk] equalities; what the
+        interpreter runs), "auto" (default): "match" where it can run.
     lengths_mode: how the per-(dest, segment) lengths are made. "rows" (default): the rank
         program stores a contiguous [W] counter snapshot per segment it owns and a blocked
         pass writes lengths[d, s] = P(d, s + 1) - P(d, s) row by row. "columns" (the first
@@ -716,6 +765,8 @@ class V4Config:
     scatter_warps: int = 4
     lengths_mode: str = "rows"
     finish_block: int = 32
+    scatter_order: str = "tile"
+    peers: str = "auto"
 
 
 def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
@@ -744,8 +795,23 @@ def _check(cfg: V4Config, world_size: int) -> None:
             raise ValueError(f"{name} must be a power of two in [16, {hi}], got {x}")
     if world_size > MAX_WORLD:
         raise ValueError(f"ranged_dispatch_v4 supports world_size <= {MAX_WORLD}")
-    if cfg.lengths_mode not in LENGTHS_MODES:
-        raise ValueError(f"lengths_mode must be one of {LENGTHS_MODES}, got {cfg.lengths_mode!r}")
+    for name, value, allowed in (
+        ("lengths_mode", cfg.lengths_mode, LENGTHS_MODES),
+        ("scatter_order", cfg.scatter_order, SCATTER_ORDERS),
+        ("peers", cfg.peers, PEERS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _use_match(cfg: V4Config, device: torch.device) -> bool:
+    """Whether the rank kernel finds same-dest lanes with ``match.any`` (`V4Config.peers`)."""
+    runnable = device.type == "cuda" and cfg.chunk == 32
+    if cfg.peers == "match" and not runnable:
+        raise ValueError(
+            f"peers='match' needs CUDA and chunk 32 (device {device}, chunk {cfg.chunk})"
+        )
+    return runnable and cfg.peers != "compare"
 
 
 def ranged_dispatch_v4(
@@ -762,6 +828,8 @@ def ranged_dispatch_v4(
     scatter_warps: Optional[int] = None,
     lengths_mode: Optional[str] = None,
     finish_block: Optional[int] = None,
+    scatter_order: Optional[str] = None,
+    peers: Optional[str] = None,
 ) -> DispatchResult:
     """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
     as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`
@@ -780,8 +848,11 @@ def ranged_dispatch_v4(
         scatter_warps=scatter_warps or base.scatter_warps,
         lengths_mode=lengths_mode or base.lengths_mode,
         finish_block=finish_block or base.finish_block,
+        scatter_order=scatter_order or base.scatter_order,
+        peers=peers or base.peers,
     )
     _check(cfg, world_size)
+    match = _use_match(cfg, dev)
     values, lengths = values.contiguous(), lengths.contiguous()
     block_sizes = block_sizes.contiguous()
     weights = None if weights is None else weights.contiguous()
@@ -821,7 +892,7 @@ def ranged_dispatch_v4(
     rank_common = (values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows,
                    ranks, counts)  # fmt: skip
     rank_meta = {"WORLD": world_size, "MODULO": modulo, "CHUNK": cfg.chunk,
-                 "WB": min(wp, 256), "num_warps": 1}  # fmt: skip
+                 "WB": min(wp, 256), "MATCH": match, "num_warps": 1}  # fmt: skip
     if cfg.lengths_mode == "rows":
         snaps = torch.empty(nseg * world_size, dtype=torch.int32, device=dev)
         seg_tile = torch.empty(nseg, dtype=torch.int32, device=dev)
@@ -868,11 +939,13 @@ def ranged_dispatch_v4(
     out_values = torch.empty_like(values)
     out_weights = None if weights is None else torch.empty_like(weights)
     perm = torch.empty(n, dtype=torch.int64, device=dev)
-    _v4_scatter_kernel[(num_tiles, triton.cdiv(cfg.tile, cfg.scatter_block))](
+    blocks_per_tile = triton.cdiv(cfg.tile, cfg.scatter_block)
+    _v4_scatter_kernel[(num_tiles * blocks_per_tile,)](
         values, values if weights is None else weights, block_sizes, *tiles, ranks, et,
         out_values, out_values if out_weights is None else out_weights, perm,
         WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None,
-        BLOCK=cfg.scatter_block, num_warps=cfg.scatter_warps,
+        BLOCK=cfg.scatter_block, BLOCKS_PER_TILE=blocks_per_tile,
+        TILE_MAJOR=cfg.scatter_order == "tile", num_warps=cfg.scatter_warps,
     )  # fmt: skip
     return DispatchResult(
         values=out_values,
