@@ -48,7 +48,7 @@ WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 NUM_KEYS = 4
 # experimental dispatch kernels: timed when they compile and agree with the reference and
 # v3; a failure is recorded in the row (<name>_error), never fatal to the figure
-EXPERIMENTAL = ("triton_v4", "triton_v4_columns")
+EXPERIMENTAL = ("triton_v4", "triton_v4_first")
 MEAN_UIH = 2048
 MAX_UIH = 16384
 EMBEDDING_DIM = 128
@@ -233,8 +233,8 @@ class Runner:
                 row["fraction_of_hbm_floor"] = row["floor_ms"] / t
         if row.get("triton_v4_ms") and row.get("triton_v3_ms"):
             row["speedup_v4_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_ms"]
-        if row.get("triton_v4_columns_ms") and row.get("triton_v3_ms"):
-            row["speedup_v4_columns_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_columns_ms"]
+        if row.get("triton_v4_first_ms") and row.get("triton_v4_ms"):
+            row["speedup_v4_vs_v4_first"] = row["triton_v4_first_ms"] / row["triton_v4_ms"]
         self.rows.append(row)
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
         print(json.dumps(shown), flush=True)
@@ -303,9 +303,10 @@ class Runner:
                     tri.ranged_dispatch_v1, *args, tile=self.tile, dest_major=True
                 )
                 fns["triton_v4"] = partial(self.v4.ranged_dispatch_v4, *args)
-                # the first v4 (lengths written column-wise in the rank kernel)
-                fns["triton_v4_columns"] = partial(
-                    self.v4.ranged_dispatch_v4, *args, lengths_mode="columns"
+                # v4 as measured at e756e56: same-dest lanes by the [32, 32] compare, the
+                # scatter grid walking every tile's first block, then every second, ...
+                fns["triton_v4_first"] = partial(
+                    self.v4.ranged_dispatch_v4, *args, peers="compare", scatter_order="block"
                 )
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
@@ -439,7 +440,7 @@ def _headline(rows: list[dict]) -> dict:
             "dispatch_fraction_of_hbm_floor": ratio(floor, big.get(key)),
         }
 
-    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_v4_columns_ms")
+    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_v4_first_ms")
     have = {k for r in rows for k in keys if k in r}
     if "triton_v3_ms" in have:  # v3 trains on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")
@@ -452,8 +453,8 @@ def _headline(rows: list[dict]) -> dict:
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
     if "triton_v4_ms" in have:  # experimental, not dispatched by ops.ranged_dispatch
         out.update({f"{k}_v4": v for k, v in fig("triton_v4_ms").items()})
-    if "triton_v4_columns_ms" in have:
-        out.update({f"{k}_v4_columns": v for k, v in fig("triton_v4_columns_ms").items()})
+    if "triton_v4_first_ms" in have:
+        out.update({f"{k}_v4_first": v for k, v in fig("triton_v4_first_ms").items()})
     out["kernel"] = kernel
     out["definition"] = (
         "speedups: ranged_dispatch, per_rank workload (one rank's batch, 128 samples x 4 "
@@ -462,9 +463,9 @@ def _headline(rows: list[dict]) -> dict:
         "measured device copy bandwidth) / Triton time; unsuffixed: the kernel named in "
         "'kernel'; *_v1: tile sort with the [tile][dest] scan; *_v2: the sort-free kernel; "
         "*_v4: large tiles ranked per warp + flat scatter (experimental, triton_dispatch_v4; "
-        "lengths from per-segment counter snapshots, lengths_mode='rows'); *_v4_columns: the "
-        "same with the lengths written column-wise in the rank kernel (the first v4, timed as "
-        "triton_v4 at 0765dec)"
+        "lengths from per-segment counter snapshots, lengths_mode='rows'; same-dest lanes by "
+        "PTX match.any, a tile's scatter blocks adjacent in launch order); *_v4_first: v4 as "
+        "timed at e756e56 (peers='compare', scatter_order='block')"
     )
     return out
 
@@ -487,7 +488,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
             ("triton_v1", "o--"),
             ("triton_v3", "d-"),
             ("triton_v4", "*-"),
-            ("triton_v4_columns", "x-"),
+            ("triton_v4_first", "x-"),
             ("vectorized", "s--"),
             ("naive", "^:"),
         ):
