@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from freescale.kernels import naive, reference, vectorized
+from freescale.kernels import naive, ops, reference, vectorized
 from freescale.kernels.common import triton_available
 
 WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
@@ -261,7 +261,7 @@ class Runner:
             check_same(f"naive {where}", expect, fns["naive"]())
         impls = {"vectorized": fns["vectorized"]}
         errors: dict[str, str] = {}
-        for name in ("triton", "triton_v1", "triton_v3", *EXPERIMENTAL):
+        for name in ("triton", "triton_v1", "triton_v3", "triton_auto", *EXPERIMENTAL):
             if not self.use_triton or name not in fns:
                 continue
             try:
@@ -303,6 +303,9 @@ class Runner:
                     tri.ranged_dispatch_v1, *args, tile=self.tile, dest_major=True
                 )
                 fns["triton_v4"] = partial(self.v4.ranged_dispatch_v4, *args)
+                # what `kernels.ranged_dispatch` (training's call) runs on CUDA for this
+                # many ids: v3 below ops.V4_MIN_IDS, v4 from there
+                fns["triton_auto"] = partial(ops.ranged_dispatch, *args, backend="triton")
                 # v4 as measured at e756e56: same-dest lanes by the [32, 32] compare, the
                 # scatter grid walking every tile's first block, then every second, ...
                 fns["triton_v4_first"] = partial(
@@ -355,6 +358,34 @@ class Runner:
             fns["triton"] = partial(tri.indexed_permute, *call, None, n)
         floor = 2 * (n * idx_bytes + lengths.numel() * len_bytes)
         self.bench_op(wl, "indexed_permute", None, fns, floor)
+
+    def crossover(self, worlds: list[int], sizes: list[int]) -> None:
+        """v3 and v4 dispatch time (and what ``ops.ranged_dispatch`` picks) at ``sizes``
+        ids per call: where the size-based choice (`ops.V4_MIN_IDS`) should switch. Each
+        point is checked v4 == v3 first."""
+        for total in sizes:
+            wl = make_workload("crossover", max(8, total // MEAN_UIH // NUM_KEYS), total,
+                               self.device, seed=total, smoke=False)  # fmt: skip
+            for world in worlds:
+                if time.perf_counter() > self.deadline:
+                    self.notes.append("time budget exhausted: crossover cut short")
+                    return
+                args = (wl["values"], wl["lengths"], block_sizes_for(world, self.device), world)
+                fns = {
+                    "triton_v3": partial(self.triton.ranged_dispatch_v1, *args, dest_major=True),
+                    "triton_v4": partial(self.v4.ranged_dispatch_v4, *args),
+                }
+                check_same(f"crossover v4 vs v3 n={wl['n']} W={world}",
+                           fns["triton_v3"](), fns["triton_v4"]())  # fmt: skip
+                row = {"workload": "crossover", "op": "ranged_dispatch_crossover",
+                       "world_size": world, "n_ids": wl["n"],
+                       "auto_version": ops.triton_dispatch_version(wl["n"])}  # fmt: skip
+                for name, fn in fns.items():
+                    row[f"{name}_ms"], _ = time_fast(fn, self.device, self.args.cpu_reps)
+                row["speedup_v4_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_ms"]
+                self.rows.append(row)
+                print(json.dumps(row), flush=True)
+            del wl
 
     def tile_sweep(
         self,
@@ -440,9 +471,17 @@ def _headline(rows: list[dict]) -> dict:
             "dispatch_fraction_of_hbm_floor": ratio(floor, big.get(key)),
         }
 
-    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_v4_first_ms")
+    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_v4_first_ms", "triton_auto_ms")
     have = {k for r in rows for k in keys if k in r}
-    if "triton_v3_ms" in have:  # v3 trains on CUDA (ops.ranged_dispatch)
+    if "triton_auto_ms" in have:  # since session 18: the size-based choice of ops
+        out = fig("triton_auto_ms")
+        out.update({f"{k}_v3": v for k, v in fig("triton_v3_ms").items()})
+        out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
+        kernel = (
+            "auto (what kernels.ranged_dispatch runs on CUDA: v3 below 2^22 ids per call, "
+            "so at one rank's batch; v4 from there, so at 2^26 ids)"
+        )
+    elif "triton_v3_ms" in have:  # v3 trained on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")
         out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
         kernel = "v3 (tile sort + dest-major scan; what training dispatches on CUDA)"
@@ -451,7 +490,7 @@ def _headline(rows: list[dict]) -> dict:
         kernel = "v1 (tile sort; what training dispatched on CUDA then)"
     if have:
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
-    if "triton_v4_ms" in have:  # experimental, not dispatched by ops.ranged_dispatch
+    if "triton_v4_ms" in have:
         out.update({f"{k}_v4": v for k, v in fig("triton_v4_ms").items()})
     if "triton_v4_first_ms" in have:
         out.update({f"{k}_v4_first": v for k, v in fig("triton_v4_first_ms").items()})
@@ -461,7 +500,8 @@ def _headline(rows: list[dict]) -> dict:
         "keys, mean UIH 2048), naive eager or vectorized time / Triton time; fraction: "
         "large workload (2^26 ids) at W=1024, HBM floor time (bytes read+written / "
         "measured device copy bandwidth) / Triton time; unsuffixed: the kernel named in "
-        "'kernel'; *_v1: tile sort with the [tile][dest] scan; *_v2: the sort-free kernel; "
+        "'kernel'; *_v3: tile sort + dest-major scan; *_v1: tile sort with the [tile][dest] "
+        "scan; *_v2: the sort-free kernel; "
         "*_v4: large tiles ranked per warp + flat scatter (experimental, triton_dispatch_v4; "
         "lengths from per-segment counter snapshots, lengths_mode='rows'; same-dest lanes by "
         "PTX match.any, a tile's scatter blocks adjacent in launch order); *_v4_first: v4 as "
@@ -588,6 +628,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 )
                 runner.tile_sweep(wl, worlds[0], [], [], [], v4)  # v4 at the smallest W
             del wl
+        if use_triton and not args.smoke and not args.no_sweep:
+            runner.crossover([worlds[0], worlds[-1]], [1 << k for k in range(20, 26)])
     except Mismatch as exc:
         print(f"ABORT: {exc}", file=sys.stderr)
         runner.notes.append(f"ABORTED: {exc}")

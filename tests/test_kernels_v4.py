@@ -271,3 +271,33 @@ def test_env_var_routes_the_dispatcher_to_v4(gen, monkeypatch, world_size, mode)
     monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v5")
     with pytest.raises(ValueError, match="FREESCALE_TRITON_DISPATCH"):
         ranged_dispatch(*args, mode=mode, backend="triton")
+
+
+def test_auto_dispatches_large_calls_with_v4(gen, monkeypatch):
+    """Without ``$FREESCALE_TRITON_DISPATCH`` the Triton backend runs v3 below
+    `ops.V4_MIN_IDS` ids per call and v4 from there (the threshold lowered to this input's
+    size here); results equal the reference either way."""
+    from freescale.kernels import ops, ranged_dispatch, triton_impl
+
+    monkeypatch.delenv("FREESCALE_TRITON_DISPATCH", raising=False)
+    case = random_dispatch_case(gen, 8, max_batch=6, max_len=40, with_weights=True)
+    args = (case.values, case.lengths, case.block_sizes, 8)
+    n = case.values.numel()
+    calls: list[str] = []
+    v4 = _v4()
+    real_v4, real_v3 = v4.ranged_dispatch_v4, triton_impl.ranged_dispatch_v1
+    monkeypatch.setattr(
+        v4, "ranged_dispatch_v4", lambda *a, **k: calls.append("v4") or real_v4(*a, **k)
+    )
+    monkeypatch.setattr(
+        triton_impl, "ranged_dispatch_v1", lambda *a, **k: calls.append("v3") or real_v3(*a, **k)
+    )
+    ref = reference.ranged_dispatch(*args, weights=case.weights)
+    for threshold, expected in ((n + 1, "v3"), (n, "v4")):
+        monkeypatch.setattr(ops, "V4_MIN_IDS", threshold)
+        assert ops.triton_dispatch_version(n) == expected
+        got = ranged_dispatch(*args, weights=case.weights, backend="triton")
+        assert calls[-1] == expected, (threshold, calls)
+        assert_dispatch_equal(ref, got, f"auto, threshold {threshold}")
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v3")
+    assert ops.triton_dispatch_version(1 << 40) == "v3"  # an explicit choice wins

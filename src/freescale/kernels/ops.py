@@ -19,6 +19,24 @@ from freescale.kernels import reference, vectorized
 from freescale.kernels.common import Backend, DispatchMode, DispatchResult, resolve_backend
 
 DISPATCH_ENV_VAR = "FREESCALE_TRITON_DISPATCH"
+DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
+# "auto" (the default) dispatches with v4 from this many ids per call, v3 below: on an H200
+# v4 needs a third of v3's device time at one rank's ~1M ids, but both are launch-bound
+# there (equal wall time); at 2^26 ids v4 takes 2.1-3.0x less time than v3 at W = 8..1024
+# (benchmarks/results/kernels.json; the crossover rows time both over 2^20..2^25 ids)
+V4_MIN_IDS = 1 << 22
+
+
+def triton_dispatch_version(num_ids: int) -> str:
+    """The Triton dispatch kernel `ranged_dispatch` runs for a call with ``num_ids`` ids:
+    ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4) if set, else v4 from `V4_MIN_IDS` ids
+    and v3 below ("auto")."""
+    version = os.environ.get(DISPATCH_ENV_VAR, "auto") or "auto"
+    if version not in DISPATCH_VERSIONS:
+        raise ValueError(f"${DISPATCH_ENV_VAR}={version!r} is not one of {DISPATCH_VERSIONS}")
+    if version == "auto":
+        return "v4" if num_ids >= V4_MIN_IDS else "v3"
+    return version
 
 
 def _backend_module(backend: Backend, device: torch.device) -> ModuleType:
@@ -51,23 +69,19 @@ def ranged_dispatch(
     Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
     """
     impl = _backend_module(backend, values.device)
-    version = os.environ.get(DISPATCH_ENV_VAR, "v3")
-    if version not in ("v1", "v2", "v3", "v4"):
-        raise ValueError(f"${DISPATCH_ENV_VAR}={version!r} is not one of v1, v2, v3, v4")
+    version = triton_dispatch_version(values.numel())
     if impl.__name__.endswith("triton_impl") and version == "v4":
-        # experimental (triton_dispatch_v4: no tile sort; 2.2x / 1.3x less time than v3
-        # at 2^26 ids, W=8 / 1024, and a third of v3's device time on one rank's batch at
-        # e756e56; bitwise equal to v3 on the H200 at W=8..1024); opt-in until it has run
-        # in training on GPUs
+        # triton_dispatch_v4: no tile sort; bitwise equal to v3 and the reference on the
+        # H200 at W = 1..1024 (benchmarks/check_kernels_cuda.py, benchmarks/kernels.py)
         from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
         return ranged_dispatch_v4(
             values, lengths, block_sizes, world_size, mode=mode, weights=weights
         )
     if impl.__name__.endswith("triton_impl") and version in ("v1", "v3"):
-        # training uses v3 (v1's tile sort with the dest-major count scan: checked bitwise
-        # and timed on an H200, 1.3-4.6x faster than v1) unless FREESCALE_TRITON_DISPATCH
-        # says v1 or v2 (sort-free)
+        # v3: v1's tile sort with the dest-major count scan (checked bitwise and timed on
+        # an H200, 1.3-4.6x faster than v1); below V4_MIN_IDS ids (one rank's batch in
+        # the e2e workload) what training runs
         return impl.ranged_dispatch_v1(
             values, lengths, block_sizes, world_size, mode=mode, weights=weights,
             dest_major=version == "v3",
