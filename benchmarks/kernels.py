@@ -478,8 +478,9 @@ def _headline(rows: list[dict]) -> dict:
         out.update({f"{k}_v3": v for k, v in fig("triton_v3_ms").items()})
         out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
         kernel = (
-            "auto (what kernels.ranged_dispatch runs on CUDA: v3 below 2^22 ids per call, "
-            "so at one rank's batch; v4 from there, so at 2^26 ids)"
+            f"auto (what kernels.ranged_dispatch runs on CUDA: v3 below "
+            f"{ops.V4_MIN_IDS} ids per call, so at one rank's batch; v4 from there, so at "
+            "2^26 ids)"
         )
     elif "triton_v3_ms" in have:  # v3 trained on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")

@@ -20,11 +20,13 @@ from freescale.kernels.common import Backend, DispatchMode, DispatchResult, reso
 
 DISPATCH_ENV_VAR = "FREESCALE_TRITON_DISPATCH"
 DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
-# "auto" (the default) dispatches with v4 from this many ids per call, v3 below: on an H200
-# v4 needs a third of v3's device time at one rank's ~1M ids, but both are launch-bound
-# there (equal wall time); at 2^26 ids v4 takes 2.1-3.0x less time than v3 at W = 8..1024
-# (benchmarks/results/kernels.json; the crossover rows time both over 2^20..2^25 ids)
-V4_MIN_IDS = 1 << 22
+# "auto" (the default) dispatches with v4 from this many ids per call, v3 below. On an H200
+# (benchmarks/results/kernels.json at 87e7306, "ranged_dispatch_crossover" rows) v4 took
+# 1.30x / 1.83x less time than v3 at 2^21 ids (W = 8 / 1024), 2.0-2.9x at 2^25, and
+# 0.87x / 1.10x at 2^20, where both are launch-bound (one rank's ~1M-id batch: v3).
+# That run used 2^22 here; the switch moved to 2^21 after it (same choice at its
+# headline sizes: 1M and 2^26 ids).
+V4_MIN_IDS = 1 << 21
 
 
 def triton_dispatch_version(num_ids: int) -> str:
