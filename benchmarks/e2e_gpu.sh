@@ -50,6 +50,10 @@
 #                                      # refitted online), freescale_fbs, freescale_sticky,
 #                                      # freescale_sticky2, freescale_verify_plans, 300 steps,
 #                                      # 3 passes
+#   bash benchmarks/e2e_gpu.sh floor   # ~6.5 min: the NE noise band (session 18): vanilla, four
+#                                      # in-rank reorderings (ne_noise_floor = the largest),
+#                                      # freescale and freescale_again (a second run of it:
+#                                      # ne_rel_diff_freescale_runs), 1,000 steps
 #   bash benchmarks/e2e_gpu.sh rep3    # ~7 min: vanilla, freescale, freescale_no_balance, 400 steps,
 #                                      # profiler-free, 3 passes (ABC/CBA/ABC): the run-to-run spread
 #                                      # of freescale / vanilla within one invocation
@@ -569,6 +573,15 @@ sticky)
   # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
     vanilla freescale_fbs freescale_sticky
+  ;;
+floor)
+  # (~6.5 min) is freescale's NE distance (3.1e-6 at 7bb1abe, 5.9e-5 at 80c5b3c) inside
+  # the band of legal reorderings? Four in-rank orders instead of two, and freescale twice
+  # (its plans follow its measured times, so two runs differ within tier 2)
+  timeout 570 $HEAD --out "$OUT/e2e_floor" --nproc 2 --steps "$STEPS" \
+    --variants vanilla vanilla_reordered vanilla_reordered_b vanilla_reordered_c \
+    vanilla_reordered_d freescale freescale_again > "$OUT/e2e_floor.log" 2>&1
+  echo "floor rc=$?"; grep -E "ne_|qps_ratio" "$OUT/e2e_floor.log" | tail -20
   ;;
 partab)
   # (~6 min; 291 s with 5 variants at 570414c) session 16: the partitioners on GPUs. sticky balances exactly the costs it

@@ -219,9 +219,16 @@ def test_diagnostic_variants_force_one_setting_only():
     others |= {"freescale_sticky2", "balance_sticky2"}  # another partitioner only
     others |= {"freescale_fbs", "balance_fbs"}  # another partitioner only (the old default)
     others |= {"freescale_verify_plans"}  # the balancer checks plans across ranks only
+    others |= {"vanilla_reordered_c", "vanilla_reordered_d"}  # a hook's order only
+    others |= {"freescale_again"}  # freescale itself, run again
     assert set(pairs) | others | set(switch) | set(pinned) == set(DIAGNOSTIC_VARIANTS)
     got = _variant_cfg(base, "freescale_gloo_handshake", "prioritized")
     ref0 = _variant_cfg(base, "freescale", "prioritized")
+    again = _variant_cfg(base, "freescale_again", "prioritized")
+    assert again == dataclasses.replace(ref0, log_path=again.log_path)
+    from freescale.pipeline.bench_e2e import balance_config as _bc
+
+    assert _bc("freescale_again") == _bc("freescale")
     assert got.copy_engine_handshake == "gloo" and ref0.copy_engine_handshake == "auto"
     assert got == dataclasses.replace(ref0, copy_engine_handshake="gloo", log_path=got.log_path)
     from freescale.balance.hook import FREESCALE_PARTITIONER, FREESCALE_REFIT_EVERY
@@ -334,6 +341,32 @@ def test_unprofiled_estimates_in_the_headline():
     head, _ = headline(rows)
     assert "freescale" not in head["noncompute_unprofiled_ms"]
     assert "noncompute_reduction_unprofiled" not in head
+
+
+def test_noise_floor_takes_every_reordering_and_the_repeat_distance():
+    """The NE floor is the largest distance of every in-rank reordering present (four
+    since session 18), each reported as a sample; freescale_again gives the distance
+    between two runs of freescale's config; the reorderings' salts are distinct."""
+    from freescale.pipeline.bench_e2e import REORDER_SALT
+
+    assert len(set(REORDER_SALT.values())) == len(REORDER_SALT)
+
+    def row(name, ne):
+        return {"variant": name, "qps": 1.0, "eval_ne": ne, "step_ms": 1.0,
+                "straggler_share_median": 0.0, "summary": {"world_size": 2}}  # fmt: skip
+
+    nes = {"vanilla_reordered": 1.000001, "vanilla_reordered_b": 1.000002,
+           "vanilla_reordered_c": 1.000008, "vanilla_reordered_d": 0.999997}  # fmt: skip
+    rows = [row("vanilla", 1.0), row("freescale", 1.00005), row("freescale_again", 1.00001)]
+    rows += [row(name, ne) for name, ne in nes.items()]
+    head, _ = headline(rows)
+    assert set(head["ne_noise_floor_samples"]) == set(nes)
+    assert head["ne_noise_floor"] == pytest.approx(8e-6)  # reordering c's, the largest
+    assert head["ne_within_noise_floor"] is False  # 5e-5 > 8e-6
+    assert head["ne_rel_diff_freescale_runs"] == pytest.approx(4e-5 / 1.00005)
+    assert "ne_rel_diff_vanilla_reordered_c" not in head  # moved into the samples
+    head, _ = headline(rows[:2])
+    assert "ne_rel_diff_freescale_runs" not in head and "ne_noise_floor" not in head
 
 
 def _e2e_repeats(rank, world, cfg, variants, repeats):

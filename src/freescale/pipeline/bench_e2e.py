@@ -82,7 +82,11 @@ cost ``a*L + b*L^2 + c`` at once; tier 2); ``freescale_verify_plans``: freescale
 balancer all-gathers a checksum of every plan and raises when the ranks' plans differ
 (``BalanceConfig.verify_plans``; one tiny collective per step on the data stage): the
 direct check, on GPUs, that the refitting balancer plans alike on every rank, and its
-cost; ``freescale_local_prepare``:
+cost; ``vanilla_reordered_c``, ``vanilla_reordered_d``: two more in-rank orders (more
+samples of the noise floor, which is the largest of them); ``freescale_again``: freescale
+run a second time in the same invocation (the same config: its plans follow its own
+measured times, so its NE distance to vanilla next to freescale's shows how far the
+timing-fitted plans alone move NE); ``freescale_local_prepare``:
 freescale with ``prepare_backward`` deciding by its
 rank-local event query although the copy engine orders on the device (the rule before
 ``c39168e``; same bits): what that change costs or gains. With the balancer it has
@@ -182,7 +186,18 @@ DIAGNOSTIC_VARIANTS = (
     "freescale_sticky2",
     "balance_sticky2",
     "freescale_verify_plans",
+    "vanilla_reordered_c",
+    "vanilla_reordered_d",
+    "freescale_again",
 )
+# in-rank reorderings (InRankReorder salt per variant): their distances to vanilla are the
+# NE noise floor's samples (``ne_noise_floor`` = the largest)
+REORDER_SALT = {
+    "vanilla_reordered": 0,
+    "vanilla_reordered_b": 1,
+    "vanilla_reordered_c": 2,
+    "vanilla_reordered_d": 3,
+}
 # diagnostic variants whose prepare_backward decides rank-locally (the pre-c39168e rule)
 _LOCAL_PREPARE = ("freescale_local_prepare",)
 # diagnostic variants whose balancer plans and reports but moves nothing
@@ -236,6 +251,9 @@ _SPEC: dict[str, tuple[str, str | None]] = {
     "freescale_sticky2": ("prioritized", "sticky2"),
     "balance_sticky2": ("vanilla", "sticky2"),
     "freescale_verify_plans": ("prioritized", _FS),
+    "vanilla_reordered_c": ("vanilla", None),
+    "vanilla_reordered_d": ("vanilla", None),
+    "freescale_again": ("prioritized", _FS),
 }
 # variants named for their partitioner: their balancer is that one, on L^alpha costs
 _NAMED_PARTITIONER = (
@@ -376,8 +394,8 @@ def run_variant(
 
         balance = BalanceHook(balance_config(variant))
         hooks.append(balance)
-    if variant in ("vanilla_reordered", "vanilla_reordered_b"):
-        hooks.append(InRankReorder(salt=int(variant.endswith("_b"))))
+    if variant in REORDER_SALT:
+        hooks.append(InRankReorder(salt=REORDER_SALT[variant]))
     hooks.append(rec)
     tr = Trainer(cfg, hooks=hooks, ctx=ctx)
     if tr.world_size != world or tr.rank != rank:
@@ -645,11 +663,7 @@ def headline(
         out["straggler_share_freescale"] = fs["straggler_share_median"]
         if "bubble_reduction" not in out:
             missing += ["bubble_reduction", "exposed_comm_reduction"]
-    samples = {
-        name: out.pop(f"ne_rel_diff_{name}")
-        for name in ("vanilla_reordered", "vanilla_reordered_b")
-        if name in by
-    }
+    samples = {name: out.pop(f"ne_rel_diff_{name}") for name in REORDER_SALT if name in by}
     if samples:
         out["ne_noise_floor"] = max(samples.values())
         out["ne_noise_floor_samples"] = samples
@@ -657,6 +671,11 @@ def headline(
             out["ne_within_noise_floor"] = bool(out["ne_rel_diff"] <= out["ne_noise_floor"])
     else:
         missing.append("ne_noise_floor")
+    if "freescale" in by and "freescale_again" in by:
+        # two runs of one config: how far the timing-fitted plans alone move NE
+        out["ne_rel_diff_freescale_runs"] = _rel(
+            by["freescale_again"]["eval_ne"], by["freescale"]["eval_ne"]
+        )
     if "vanilla_shuffled" in by:
         cross = out.pop("ne_rel_diff_vanilla_shuffled", None)
         if int(by["vanilla_shuffled"]["summary"].get("world_size", 1)) < 2:
