@@ -1,7 +1,8 @@
 """On a GPU: every Triton jagged index kernel against its PyTorch reference on fresh
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
 Dispatch is checked for the sort-free kernel (default and small chunks), v1, v3 and v4
-(both lengths paths) at W = 1, 2, 8, 64, 1024.
+(both lengths paths, the match.any and compare paths, both scatter orders, with weights)
+at W = 1, 2, 8, 64, 1024.
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py
 """
@@ -60,7 +61,12 @@ def main() -> int:
                         *args, mode=mode, tile=256, scatter_block=64, peers="match"
                     ),
                     "triton_v4_compare": ranged_dispatch_v4(
-                        *args, mode=mode, peers="compare", scatter_order="block"
+                        *args,
+                        mode=mode,
+                        peers="compare",
+                        scatter_order="block",
+                        tile=256,
+                        scatter_block=64,
                     ),
                     "triton_v4_columns": ranged_dispatch_v4(
                         *args, mode=mode, lengths_mode="columns"
@@ -70,6 +76,15 @@ def main() -> int:
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
                         if not torch.equal(getattr(r, f), getattr(got, f)):
                             print(f"MISMATCH ranged_dispatch[{name}] w={w} {dt} {mode} {f}")
+                            bad += 1
+                # weights travel with their ids (v4 is what large calls run)
+                wts = torch.rand(n, device="cuda", generator=g)
+                rw = ranged_dispatch(*args, mode=mode, weights=wts, backend="reference")
+                for knobs in ({}, {"tile": 256, "scatter_block": 64, "scatter_order": "block"}):
+                    got = ranged_dispatch_v4(*args, mode=mode, weights=wts, **knobs)
+                    for f in ("values", "lengths", "weights", "unbucketize_permute"):
+                        if not torch.equal(getattr(rw, f), getattr(got, f)):
+                            print(f"MISMATCH ranged_dispatch_v4 weights {knobs} w={w} {dt} {f}")
                             bad += 1
             emb = torch.randn(n, 64, device="cuda", generator=g)
             perm = r.unbucketize_permute

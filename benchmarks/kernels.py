@@ -9,9 +9,11 @@ World size is swept 8..1024 for two workloads:
   2048, the 4 keys are parallel sequences of one length) dispatched to W owners;
 - "large": 2^26 ids (8192 samples x 4 keys, same length distribution).
 Ops: ranged_dispatch (Triton: "triton" is the sort-free kernel v2, "triton_v1" the first
-tile-sort kernel, "triton_v3" the one training uses, "triton_v4" the experimental
-large-tile kernel of `triton_dispatch_v4.py`, checked bitwise against v3 as well as the
-reference before it is timed), ranged_combine (+ backward,
+tile-sort kernel, "triton_v3" the tile sort with the dest-major scan, "triton_v4" the
+large-tile kernel of `triton_dispatch_v4.py` (checked bitwise against v3 as well as the
+reference before it is timed), "triton_auto" what `kernels.ranged_dispatch` runs for that
+many ids (v3 below `ops.V4_MIN_IDS`, v4 from there; the row's `auto_version`); plus
+crossover rows, v3 and v4 over 2^20..2^25 ids), ranged_combine (+ backward,
 D=128 bf16 rows), keyed_transpose of the dispatch output ([W][K][B] -> [K][W][B]) and
 indexed_permute (a sample shuffle; its cost does not depend on W, so it is timed once per
 workload).
@@ -313,6 +315,8 @@ class Runner:
                 )
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
+            if tri:  # the kernel triton_auto ran (FREESCALE_TRITON_DISPATCH can force one)
+                self.rows[-1]["auto_version"] = ops.triton_dispatch_version(n, world)
 
             # Embedding rows come back shard-major; combine puts them batch-major.
             perm, splits = ref.unbucketize_permute, ref.splits.tolist()
@@ -445,8 +449,9 @@ def _git_sha(explicit: Optional[str]) -> Optional[str]:
 
 
 def _headline(rows: list[dict]) -> dict:
-    """Headline of the dispatch kernel training uses on CUDA (``ops.ranged_dispatch``:
-    v3 unless FREESCALE_TRITON_DISPATCH says v1 or v2), plus the other kernels'."""
+    """Headline of what ``kernels.ranged_dispatch`` runs on CUDA ("triton_auto": the
+    size-based choice of `ops.triton_dispatch_version`; v3 in files written before it
+    existed), plus the other kernels'."""
 
     def row(workload: str, world: int) -> dict:
         for r in rows:
@@ -477,10 +482,16 @@ def _headline(rows: list[dict]) -> dict:
         out = fig("triton_auto_ms")
         out.update({f"{k}_v3": v for k, v in fig("triton_v3_ms").items()})
         out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
+        used = sorted(
+            {
+                f"{r['workload']}: {r['auto_version']}"
+                for r in rows
+                if r["op"] == "ranged_dispatch" and r.get("auto_version")
+            }
+        )
         kernel = (
-            f"auto (what kernels.ranged_dispatch runs on CUDA: v3 below "
-            f"{ops.V4_MIN_IDS} ids per call, so at one rank's batch; v4 from there, so at "
-            "2^26 ids)"
+            f"auto (what kernels.ranged_dispatch runs on CUDA: v3 below {ops.V4_MIN_IDS} "
+            f"ids per call, v4 from there; here {', '.join(used) or 'not recorded'})"
         )
     elif "triton_v3_ms" in have:  # v3 trained on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")
@@ -503,7 +514,7 @@ def _headline(rows: list[dict]) -> dict:
         "measured device copy bandwidth) / Triton time; unsuffixed: the kernel named in "
         "'kernel'; *_v3: tile sort + dest-major scan; *_v1: tile sort with the [tile][dest] "
         "scan; *_v2: the sort-free kernel; "
-        "*_v4: large tiles ranked per warp + flat scatter (experimental, triton_dispatch_v4; "
+        "*_v4: large tiles ranked per warp + flat scatter (triton_dispatch_v4; "
         "lengths from per-segment counter snapshots, lengths_mode='rows'; same-dest lanes by "
         "PTX match.any, a tile's scatter blocks adjacent in launch order); *_v4_first: v4 as "
         "timed at e756e56 (peers='compare', scatter_order='block')"

@@ -22,6 +22,7 @@ checked bitwise against the reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import shlex
@@ -53,8 +54,11 @@ def _v4_variant(spec: str, module):
     if name != "v4" or not knobs:
         raise SystemExit(f"unknown version {spec!r}: v1, v2, v3, v4, v4_columns or v4:K=V,...")
     kw = {}
+    fields = {f.name for f in dataclasses.fields(module.V4Config)}
     for item in knobs.split(","):
         key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"{spec!r}: unknown knob {key!r}; V4Config has {sorted(fields)}")
         kw[key] = int(value) if value.isdigit() else value
     return partial(module.ranged_dispatch_v4, **kw)
 

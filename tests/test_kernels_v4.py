@@ -301,3 +301,47 @@ def test_auto_dispatches_large_calls_with_v4(gen, monkeypatch):
         assert_dispatch_equal(ref, got, f"auto, threshold {threshold}")
     monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v3")
     assert ops.triton_dispatch_version(1 << 40) == "v3"  # an explicit choice wins
+
+
+def test_match_path_only_where_it_compiles(monkeypatch):
+    """`V4Config.peers`: the PTX path is chosen only for compiled kernels on an NVIDIA
+    device with 32-id chunks; the interpreter (also with CUDA tensors) compares; asking
+    for "match" where it cannot run is a clear error. No GPU needed: only the choice."""
+    v4 = _v4()
+    cuda = torch.device("cuda")
+    cfg = v4.V4Config(tile=1024)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert v4._use_match(cfg, cuda)
+    assert not v4._use_match(v4.V4Config(tile=1024, peers="compare"), cuda)
+    assert not v4._use_match(v4.V4Config(tile=1024, chunk=16), cuda)
+    assert not v4._use_match(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="chunk 32"):
+        v4._use_match(v4.V4Config(tile=1024, chunk=16, peers="match"), cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not v4._use_match(cfg, cuda)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        v4._use_match(v4.V4Config(tile=1024, peers="match"), cuda)
+
+
+def test_dispatch_version_rule(monkeypatch):
+    """Unset, empty or "auto": v4 from `ops.V4_MIN_IDS` ids when v4 can take the world
+    size, else v3; an explicit version is obeyed; anything else is an error."""
+    from freescale.kernels import ops
+
+    big = ops.V4_MIN_IDS
+    assert ops.V4_MAX_WORLD == _v4().MAX_WORLD
+    for value in (None, "", "auto"):
+        if value is None:
+            monkeypatch.delenv("FREESCALE_TRITON_DISPATCH", raising=False)
+        else:
+            monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", value)
+        assert ops.triton_dispatch_version(big - 1, 8) == "v3"
+        assert ops.triton_dispatch_version(big, 8) == "v4"
+        assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD) == "v4"
+        assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD + 1) == "v3"
+    for forced in ("v1", "v2", "v3", "v4"):
+        monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", forced)
+        assert ops.triton_dispatch_version(5, 2) == forced
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "V4")
+    with pytest.raises(ValueError, match="FREESCALE_TRITON_DISPATCH"):
+        ops.triton_dispatch_version(5, 2)

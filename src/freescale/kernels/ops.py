@@ -27,17 +27,19 @@ DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
 # That run used 2^22 here; the switch moved to 2^21 after it (same choice at its
 # headline sizes: 1M and 2^26 ids).
 V4_MIN_IDS = 1 << 21
+V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
 
 
-def triton_dispatch_version(num_ids: int) -> str:
-    """The Triton dispatch kernel `ranged_dispatch` runs for a call with ``num_ids`` ids:
-    ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4) if set, else v4 from `V4_MIN_IDS` ids
-    and v3 below ("auto")."""
+def triton_dispatch_version(num_ids: int, world_size: int = 1) -> str:
+    """The Triton dispatch kernel `ranged_dispatch` runs for a call with ``num_ids`` ids
+    to ``world_size`` owners: ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4) if set to
+    one, else ("auto", also when unset or empty) v4 from `V4_MIN_IDS` ids and v3 below or
+    where v4 cannot run (world sizes above its `MAX_WORLD`, 32767)."""
     version = os.environ.get(DISPATCH_ENV_VAR, "auto") or "auto"
     if version not in DISPATCH_VERSIONS:
         raise ValueError(f"${DISPATCH_ENV_VAR}={version!r} is not one of {DISPATCH_VERSIONS}")
     if version == "auto":
-        return "v4" if num_ids >= V4_MIN_IDS else "v3"
+        return "v4" if num_ids >= V4_MIN_IDS and world_size <= V4_MAX_WORLD else "v3"
     return version
 
 
@@ -71,7 +73,7 @@ def ranged_dispatch(
     Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
     """
     impl = _backend_module(backend, values.device)
-    version = triton_dispatch_version(values.numel())
+    version = triton_dispatch_version(values.numel(), world_size)
     if impl.__name__.endswith("triton_impl") and version == "v4":
         # triton_dispatch_v4: no tile sort; bitwise equal to v3 and the reference on the
         # H200 at W = 1..1024 (benchmarks/check_kernels_cuda.py, benchmarks/kernels.py)

@@ -111,6 +111,7 @@ be the next step), so "rows" alone is not expected to reach ~0.9 ms at W = 1024.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -187,6 +188,7 @@ def _chunk_rank(dest, CHUNK: tl.constexpr, MATCH: tl.constexpr):
     below = bit - 1  # lanes before this one
     above = ~(below | bit)  # lanes after this one
     if MATCH:
+        tl.static_assert(CHUNK == 32, "match.any needs one id per lane of the warp")
         peers = _match_any(dest)
         earlier = _popc(peers & below)
     else:
@@ -815,11 +817,16 @@ def _check(cfg: V4Config, world_size: int) -> None:
 
 
 def _use_match(cfg: V4Config, device: torch.device) -> bool:
-    """Whether the rank kernel finds same-dest lanes with ``match.any`` (`V4Config.peers`)."""
-    runnable = device.type == "cuda" and cfg.chunk == 32
+    """Whether the rank kernel finds same-dest lanes with ``match.any`` (`V4Config.peers`):
+    compiled for an NVIDIA GPU (not ROCm, not Triton's interpreter, which runs no inline
+    assembly, also on CUDA tensors) with 32-id chunks."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    nvidia = device.type == "cuda" and torch.version.hip is None
+    runnable = nvidia and not interpreted and cfg.chunk == 32
     if cfg.peers == "match" and not runnable:
         raise ValueError(
-            f"peers='match' needs CUDA and chunk 32 (device {device}, chunk {cfg.chunk})"
+            "peers='match' needs a compiled kernel on an NVIDIA GPU and chunk 32 (device "
+            f"{device}, chunk {cfg.chunk}, TRITON_INTERPRET={'1' if interpreted else '0'})"
         )
     return runnable and cfg.peers != "compare"
 
