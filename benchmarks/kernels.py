@@ -95,6 +95,23 @@ def make_workload(
     }
 
 
+def parse_v4_knobs(spec: str) -> dict:
+    """``"KNOB=VALUE,..."`` -> keyword knobs of `ranged_dispatch_v4` (ints where numeric);
+    a name that is not a `V4Config` field exits with the list of fields."""
+    import dataclasses
+
+    from freescale.kernels.triton_dispatch_v4 import V4Config
+
+    fields = {f.name for f in dataclasses.fields(V4Config)}
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"{spec!r}: unknown knob {key!r}; V4Config has {sorted(fields)}")
+        out[key] = int(value) if value.isdigit() else value
+    return out
+
+
 def block_sizes_for(world: int, device: torch.device) -> torch.Tensor:
     block = -(-ROWS_PER_TABLE // world)
     return torch.full((NUM_KEYS,), block, dtype=torch.int64, device=device)

@@ -14,29 +14,16 @@ Without ncu it only checks the outputs (also on CPU with TRITON_INTERPRET=1 and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 from freescale.kernels import reference
-from freescale.kernels.triton_dispatch_v4 import V4Config, ranged_dispatch_v4
+from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import block_sizes_for, make_workload  # noqa: E402
-
-
-def parse_knobs(spec: str) -> dict:
-    """``"k=v,k=v"`` -> keyword knobs of `ranged_dispatch_v4` (ints where numeric)."""
-    out = {}
-    fields = {f.name for f in dataclasses.fields(V4Config)}
-    for item in filter(None, spec.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"{spec!r}: unknown knob {key!r}; V4Config has {sorted(fields)}")
-        out[key] = int(value) if value.isdigit() else value
-    return out
+from kernels import block_sizes_for, make_workload, parse_v4_knobs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         bs = block_sizes_for(w, device)
         ref = reference.ranged_dispatch(wl["values"], wl["lengths"], bs, w)
         for spec in args.knobs:
-            knobs = parse_knobs(spec)
+            knobs = parse_v4_knobs(spec)
             for call in range(2):
                 got = ranged_dispatch_v4(wl["values"], wl["lengths"], bs, w, **knobs)
                 if device.type == "cuda":

@@ -22,7 +22,6 @@ checked bitwise against the reference.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import shlex
@@ -36,7 +35,7 @@ import torch
 from freescale.kernels import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _git_sha, block_sizes_for, make_workload  # noqa: E402
+from kernels import _git_sha, block_sizes_for, make_workload, parse_v4_knobs  # noqa: E402
 
 WORLDS = [8, 64, 1024]
 
@@ -49,18 +48,11 @@ def _equal(a, b) -> bool:
 
 
 def _v4_variant(spec: str, module):
-    """``v4:KNOB=VALUE,...`` -> `ranged_dispatch_v4` with those knobs (ints where numeric)."""
+    """``v4:KNOB=VALUE,...`` -> `ranged_dispatch_v4` with those knobs (`parse_v4_knobs`)."""
     name, _, knobs = spec.partition(":")
     if name != "v4" or not knobs:
         raise SystemExit(f"unknown version {spec!r}: v1, v2, v3, v4, v4_columns or v4:K=V,...")
-    kw = {}
-    fields = {f.name for f in dataclasses.fields(module.V4Config)}
-    for item in knobs.split(","):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"{spec!r}: unknown knob {key!r}; V4Config has {sorted(fields)}")
-        kw[key] = int(value) if value.isdigit() else value
-    return partial(module.ranged_dispatch_v4, **kw)
+    return partial(module.ranged_dispatch_v4, **parse_v4_knobs(knobs))
 
 
 def profile_one(fn, device: torch.device, calls: int) -> dict[str, tuple[float, int]]:
