@@ -71,11 +71,6 @@ def main() -> int:
                     "triton_v4_columns": ranged_dispatch_v4(
                         *args, mode=mode, lengths_mode="columns"
                     ),
-                    # count pass, then ids written in place by the walk
-                    "triton_v4_walk": ranged_dispatch_v4(*args, mode=mode, scatter="walk"),
-                    "triton_v4_walk_small": ranged_dispatch_v4(
-                        *args, mode=mode, scatter="walk", tile=256, count_block=64
-                    ),
                 }
                 for name, got in variants.items():
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
@@ -85,11 +80,7 @@ def main() -> int:
                 # weights travel with their ids (v4 is what large calls run)
                 wts = torch.rand(n, device="cuda", generator=g)
                 rw = ranged_dispatch(*args, mode=mode, weights=wts, backend="reference")
-                for knobs in (
-                    {},
-                    {"tile": 256, "scatter_block": 64, "scatter_order": "block"},
-                    {"scatter": "walk"},
-                ):
+                for knobs in ({}, {"tile": 256, "scatter_block": 64, "scatter_order": "block"}):
                     got = ranged_dispatch_v4(*args, mode=mode, weights=wts, **knobs)
                     for f in ("values", "lengths", "weights", "unbucketize_permute"):
                         if not torch.equal(getattr(rw, f), getattr(got, f)):

@@ -127,7 +127,6 @@ MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
 LENGTHS_MODES = ("rows", "columns")  # `V4Config.lengths_mode`
 SCATTER_ORDERS = ("tile", "block")  # `V4Config.scatter_order`
 PEERS = ("auto", "match", "compare")  # `V4Config.peers`
-SCATTERS = ("flat", "walk")  # `V4Config.scatter`
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,17 +142,6 @@ def _owner(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
     else:
         owner = tl.where(ids < blk * WORLD, ids // blk, ids % WORLD)
     return owner.to(tl.int32)
-
-
-@triton.jit
-def _local_row(ids, dest, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
-    """Row (int64) of int64 ids inside their owner's shard, `reference.owner_and_local`'s
-    rule (``dest`` from `_owner`)."""
-    if MODULO:
-        local = ids // WORLD
-    else:
-        local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, ids // WORLD)
-    return local
 
 
 @triton.jit
@@ -257,53 +245,6 @@ def _rank_piece(
         # one writer per counter (the dest's last lane): a store from several lanes to one
         # address leaves an unspecified one on a GPU (the interpreter keeps the last)
         tl.store(row_ptr + dest, rank + 1, mask=mask & last)
-        tl.debug_barrier()  # written counters are visible to the next chunk's reads
-        p += CHUNK
-
-
-@triton.jit
-def _walk_piece(
-    values_ptr,
-    weights_ptr,
-    out_values_ptr,
-    out_weights_ptr,
-    perm_ptr,
-    row_ptr,
-    lo,
-    hi,
-    blk,
-    WORLD: tl.constexpr,
-    MODULO: tl.constexpr,
-    CHUNK: tl.constexpr,
-    MATCH: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-):
-    """scatter="walk": like `_rank_piece`, but the counters ``row_ptr[0:W]`` hold output
-    positions (the next free slot of each dest), so each id goes straight to its place:
-    out_values[pos] = local row (and weights), perm[i] = pos. One warp: a lane per id."""
-    lane = tl.arange(0, CHUNK)
-    nxt = tl.load(values_ptr + lo + lane, mask=lo + lane < hi, other=0).to(tl.int64)
-    nxt2 = tl.load(values_ptr + lo + CHUNK + lane, mask=lo + CHUNK + lane < hi, other=0)
-    nxt2 = nxt2.to(tl.int64)
-    p = lo
-    while p < hi:
-        offs = p + lane
-        mask = offs < hi
-        ids = nxt
-        nxt = nxt2
-        ahead = offs + 2 * CHUNK
-        nxt2 = tl.load(values_ptr + ahead, mask=ahead < hi, other=0).to(tl.int64)
-        dest = tl.where(mask, _owner(ids, blk, WORLD, MODULO), -1)  # padding matches none
-        earlier, last = _chunk_rank(dest, CHUNK, MATCH)
-        pos = tl.load(row_ptr + dest, mask=mask, other=0).to(tl.int64) + earlier
-        local = _local_row(ids, dest, blk, WORLD, MODULO)
-        tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
-        tl.store(perm_ptr + offs, pos, mask=mask)
-        if HAS_WEIGHTS:
-            w = tl.load(weights_ptr + offs, mask=mask)
-            tl.store(out_weights_ptr + pos, w, mask=mask)
-        tl.debug_barrier()  # every lane has read its counter before any is written back
-        tl.store(row_ptr + dest, (pos + 1).to(row_ptr.dtype.element_ty), mask=mask & last)
         tl.debug_barrier()  # written counters are visible to the next chunk's reads
         p += CHUNK
 
@@ -746,126 +687,6 @@ def _v4_finish_rows_kernel(
                           num_tiles, num_keys, WORLD, BLOCK_D)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
-def _v4_count_kernel(
-    values_ptr,
-    block_sizes_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    counts_ptr,
-    num_tiles,
-    WORLD: tl.constexpr,
-    WP: tl.constexpr,
-    MODULO: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """scatter="walk", pass 1: counts[d * T + t] = ids of dest d in tile t (`tl.histogram`
-    over BLOCK ids at a time; no order needed, so the tile's blocks are independent
-    work for the program's warps). Spare tiles store zeros."""
-    t = tl.program_id(0)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    blk = tl.load(block_sizes_ptr + tl.load(tile_key_ptr + t)).to(tl.int64)
-    hist = tl.zeros([WP], dtype=tl.int32)
-    p = start
-    while p < end:
-        offs = p + tl.arange(0, BLOCK)
-        mask = offs < end
-        ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
-        hist += tl.histogram(_owner(ids, blk, WORLD, MODULO), WP, mask=mask)
-        p += BLOCK
-    bins = tl.arange(0, WP)
-    tl.store(counts_ptr + bins.to(tl.int64) * num_tiles + t, hist, mask=bins < WORLD)
-
-
-@triton.jit
-def _v4_walk_kernel(
-    values_ptr,
-    weights_ptr,
-    block_sizes_ptr,
-    seg_offsets_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    tile_seg_lo_ptr,
-    tile_seg_hi_ptr,
-    et_ptr,
-    snaps_ptr,
-    out_values_ptr,
-    out_weights_ptr,
-    perm_ptr,
-    WORLD: tl.constexpr,
-    MODULO: tl.constexpr,
-    CHUNK: tl.constexpr,
-    WB: tl.constexpr,
-    MATCH: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-):
-    """scatter="walk", pass 2: tile t (one warp) walks its ids in order with et[t] (the
-    output position of the tile's first id of each dest) as its counters, advanced in
-    place, and writes every id to its final position (`_walk_piece`). Before the piece
-    of each segment s it owns it stores the counters as snaps[s, :] = P(d, s), the output
-    position of (d, s)'s first id, so lengths[d, s] = P(d, s + 1) - P(d, s)
-    (`_v4_walk_lengths_kernel`)."""
-    t = tl.program_id(0)
-    key = tl.load(tile_key_ptr + t)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    seg_lo = tl.load(tile_seg_lo_ptr + t)
-    seg_hi = tl.load(tile_seg_hi_ptr + t)
-    blk = tl.load(block_sizes_ptr + key).to(tl.int64)
-    counters = et_ptr + t.to(tl.int64) * WORLD
-    wl = tl.arange(0, WB)
-    head_end = tl.where(seg_lo < seg_hi, tl.load(seg_offsets_ptr + seg_lo), end)
-    _walk_piece(values_ptr, weights_ptr, out_values_ptr, out_weights_ptr, perm_ptr, counters,
-                start, head_end, blk, WORLD, MODULO, CHUNK, MATCH, HAS_WEIGHTS)  # fmt: skip
-    s = seg_lo
-    seg_start = head_end
-    while s < seg_hi:
-        # as in `_v4_rank_rows_kernel`: these reads precede the next piece's write-backs
-        for b in tl.range(0, WORLD, WB):
-            m = b + wl < WORLD
-            seen = tl.load(counters + b + wl, mask=m, other=0)
-            tl.store(snaps_ptr + s * WORLD + b + wl, seen, mask=m)
-        seg_end = tl.load(seg_offsets_ptr + s + 1)
-        _walk_piece(values_ptr, weights_ptr, out_values_ptr, out_weights_ptr, perm_ptr,
-                    counters, seg_start, tl.minimum(seg_end, end), blk, WORLD, MODULO, CHUNK,
-                    MATCH, HAS_WEIGHTS)  # fmt: skip
-        seg_start = seg_end
-        s += 1
-
-
-@triton.jit(do_not_specialize=["num_tiles", "num_segments", "seg_blocks"])
-def _v4_walk_lengths_kernel(
-    snaps_ptr,
-    scan_ptr,
-    lengths_ptr,
-    num_tiles,
-    num_segments,
-    seg_blocks,
-    WORLD: tl.constexpr,
-    BS: tl.constexpr,
-    BD: tl.constexpr,
-):
-    """scatter="walk": lengths[d, s] = P(d, s + 1) - P(d, s) for BD dests x BS segments
-    (snapshot rows read along dests, lengths written along segments); P(d, S) is the end
-    of dest d's output range, the inclusive [dest][tile] scan at the last tile."""
-    pid = tl.program_id(0)
-    s = (pid % seg_blocks) * BS + tl.arange(0, BS)
-    d = (pid // seg_blocks) * BD + tl.arange(0, BD)
-    dm = d < WORLD
-    m = dm[:, None] & (s < num_segments)[None, :]
-    nxt = (s + 1 < num_segments)[None, :]
-    lo = tl.load(snaps_ptr + s[None, :].to(tl.int64) * WORLD + d[:, None], mask=m, other=0)
-    hi = tl.load(snaps_ptr + (s[None, :] + 1).to(tl.int64) * WORLD + d[:, None], mask=m & nxt,
-                 other=0)  # fmt: skip
-    end = tl.load(scan_ptr + d.to(tl.int64) * num_tiles + num_tiles - 1, mask=dm, other=0)
-    hi = tl.where(nxt, hi, end[:, None].to(hi.dtype))
-    tl.store(lengths_ptr + d[:, None].to(tl.int64) * num_segments + s[None, :],
-             (hi - lo).to(lengths_ptr.dtype.element_ty), mask=m)  # fmt: skip
-
-
 @triton.jit
 def _v4_scatter_kernel(
     values_ptr,
@@ -908,7 +729,10 @@ def _v4_scatter_kernel(
     packed = tl.load(ranks_ptr + offs, mask=mask, other=0)
     dest = packed >> 16
     pos = tl.load(et_ptr + t * WORLD + dest, mask=mask, other=0).to(tl.int64) + (packed & 0xFFFF)
-    local = _local_row(ids, dest, blk, WORLD, MODULO)
+    if MODULO:
+        local = ids // WORLD
+    else:
+        local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, ids // WORLD)
     tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
     tl.store(perm_ptr + offs, pos, mask=mask)
     if HAS_WEIGHTS:
@@ -945,14 +769,6 @@ class V4Config:
     finish_block: "rows" only: dests x (tiles or segments) per block of the finish pass
         (power of two, 16..256; 32: a [32, 32] block of int64 positions, twice, is ~8
         values per thread of 4 warps each).
-    scatter: "flat" (default): the rank program stores each id's rank in its tile and a
-        flat, fully parallel pass scatters (`_v4_scatter_kernel`). "walk": a parallel
-        count pass (`_v4_count_kernel`, `tl.histogram`) first, then the rank program walks
-        its tile with output positions as counters and writes every id in place
-        (`_v4_walk_kernel`): no ranks array and no second pass over ranks, for 32 instead
-        of 40 bytes per int64 id. Lengths come from position snapshots (the "rows" method;
-        ``lengths_mode`` must be "rows").
-    count_block: "walk" only: ids per `tl.histogram` call of the count pass (power of two).
     """
 
     tile: int
@@ -963,8 +779,6 @@ class V4Config:
     finish_block: int = 32
     scatter_order: str = "tile"
     peers: str = "auto"
-    scatter: str = "flat"
-    count_block: int = 1024
 
 
 def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
@@ -977,7 +791,7 @@ def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config
     """
     del world_size
     if device.type == "cpu":
-        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16, count_block=32)
+        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16)
     tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
     return V4Config(tile=tile)
 
@@ -988,7 +802,6 @@ def _check(cfg: V4Config, world_size: int) -> None:
         ("chunk", cfg.chunk, 32),
         ("scatter_block", cfg.scatter_block, 1 << 16),
         ("finish_block", cfg.finish_block, 256),
-        ("count_block", cfg.count_block, 1 << 16),
     ):
         if x & (x - 1) or not 16 <= x <= hi:
             raise ValueError(f"{name} must be a power of two in [16, {hi}], got {x}")
@@ -998,12 +811,9 @@ def _check(cfg: V4Config, world_size: int) -> None:
         ("lengths_mode", cfg.lengths_mode, LENGTHS_MODES),
         ("scatter_order", cfg.scatter_order, SCATTER_ORDERS),
         ("peers", cfg.peers, PEERS),
-        ("scatter", cfg.scatter, SCATTERS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if cfg.scatter == "walk" and cfg.lengths_mode != "rows":
-        raise ValueError("scatter='walk' makes lengths from snapshots: lengths_mode must be 'rows'")
 
 
 def _use_match(cfg: V4Config, device: torch.device) -> bool:
@@ -1037,8 +847,6 @@ def ranged_dispatch_v4(
     finish_block: Optional[int] = None,
     scatter_order: Optional[str] = None,
     peers: Optional[str] = None,
-    scatter: Optional[str] = None,
-    count_block: Optional[int] = None,
 ) -> DispatchResult:
     """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
     as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`
@@ -1059,8 +867,6 @@ def ranged_dispatch_v4(
         finish_block=finish_block or base.finish_block,
         scatter_order=scatter_order or base.scatter_order,
         peers=peers or base.peers,
-        scatter=scatter or base.scatter,
-        count_block=count_block or base.count_block,
     )
     _check(cfg, world_size)
     match = _use_match(cfg, dev)
@@ -1093,10 +899,6 @@ def ranged_dispatch_v4(
         SEG_ITERS=seg_iters, BLOCK=1024, num_warps=4,
     )  # fmt: skip
     tiles = (tile_key, tile_start, tile_end)
-    if cfg.scatter == "walk":
-        return _walk(values, lengths, block_sizes, weights, cfg, match, seg_offsets,
-                     key_tile_first, tiles, tile_seg_lo, tile_seg_hi, world_size,
-                     modulo)  # fmt: skip
 
     # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, and per segment
     # either a [W] counter snapshot row ("rows") or its lengths ("columns")
@@ -1162,76 +964,6 @@ def ranged_dispatch_v4(
         BLOCK=cfg.scatter_block, BLOCKS_PER_TILE=blocks_per_tile,
         TILE_MAJOR=cfg.scatter_order == "tile", num_warps=cfg.scatter_warps,
     )  # fmt: skip
-    return DispatchResult(
-        values=out_values,
-        lengths=new_lengths,
-        splits=splits,
-        key_counts=key_counts,
-        unbucketize_permute=perm,
-        weights=out_weights,
-    )
-
-
-def _walk(
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    block_sizes: torch.Tensor,
-    weights: Optional[torch.Tensor],
-    cfg: V4Config,
-    match: bool,
-    seg_offsets: torch.Tensor,
-    key_tile_first: torch.Tensor,
-    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    tile_seg_lo: torch.Tensor,
-    tile_seg_hi: torch.Tensor,
-    world_size: int,
-    modulo: bool,
-) -> DispatchResult:
-    """Steps 3-6 of `ranged_dispatch_v4` for ``scatter="walk"``: count, scan, et rows and
-    splits (the "rows" finish kernel without its lengths blocks), walk, lengths."""
-    n, dev = values.numel(), values.device
-    num_keys = block_sizes.numel()
-    nseg = lengths.numel()
-    num_tiles = tiles[0].numel()
-    wp = max(2, triton.next_power_of_2(world_size))
-    counts = torch.empty(world_size * num_tiles, dtype=torch.int32, device=dev)
-    _v4_count_kernel[(num_tiles,)](
-        values, block_sizes, *tiles, counts, num_tiles, WORLD=world_size, WP=wp, MODULO=modulo,
-        BLOCK=cfg.count_block, num_warps=4,
-    )  # fmt: skip
-    index_dtype = torch.int32 if n < 2**31 else torch.int64
-    scan = torch.cumsum(counts, 0, dtype=index_dtype)
-    et = torch.empty(num_tiles * world_size, dtype=index_dtype, device=dev)
-    splits = torch.empty(world_size, dtype=torch.int64, device=dev)
-    key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
-    fb, block_d = cfg.finish_block, 256
-    bd = min(wp, fb)
-    d_blocks = triton.cdiv(world_size, bd)
-    et_blocks = triton.cdiv(num_tiles, fb) * d_blocks
-    new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
-    # no lengths blocks (len_blocks 0): snaps, seg_tile and lengths are not touched
-    _v4_finish_rows_kernel[(et_blocks + triton.cdiv(world_size, block_d),)](
-        scan, scan, counts, key_tile_first, et, new_lengths, splits, key_counts, num_tiles, nseg,
-        num_keys, et_blocks, 0, 1, WORLD=world_size, BT=fb, BS=fb, BD=bd, BLOCK_D=block_d,
-        num_warps=4,
-    )  # fmt: skip
-    snaps = torch.empty(nseg * world_size, dtype=index_dtype, device=dev)
-    out_values = torch.empty_like(values)
-    out_weights = None if weights is None else torch.empty_like(weights)
-    perm = torch.empty(n, dtype=torch.int64, device=dev)
-    _v4_walk_kernel[(num_tiles,)](
-        values, values if weights is None else weights, block_sizes, seg_offsets, *tiles,
-        tile_seg_lo, tile_seg_hi, et, snaps, out_values,
-        out_values if out_weights is None else out_weights, perm, WORLD=world_size,
-        MODULO=modulo, CHUNK=cfg.chunk, WB=min(wp, 256), MATCH=match,
-        HAS_WEIGHTS=weights is not None, num_warps=1,
-    )  # fmt: skip
-    seg_blocks = triton.cdiv(nseg, fb)
-    if nseg:
-        _v4_walk_lengths_kernel[(seg_blocks * d_blocks,)](
-            snaps, scan, new_lengths, num_tiles, nseg, seg_blocks, WORLD=world_size, BS=fb,
-            BD=bd, num_warps=4,
-        )  # fmt: skip
     return DispatchResult(
         values=out_values,
         lengths=new_lengths,
