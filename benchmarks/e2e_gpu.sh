@@ -76,7 +76,9 @@
 #                                      # 500 steps, 2 passes; prints the host's CPU topology
 #   bash benchmarks/e2e_gpu.sh smc     # ~3 min: sm_contention.py (issue 6) with device completion
 #   bash benchmarks/e2e_gpu.sh smc5    # ~4.5 min: sm_contention.py paced + paired + 100 ms cool-down
-#                                      # (issue 6's canonical since session 15)
+#                                      # (issue 6's canonical since session 15); with
+#                                      # SMC_WORKLOAD_FROM=benchmarks/results/e2e.json the
+#                                      # workload cell is the measured SM-free collective size
 #   bash benchmarks/e2e_gpu.sh smc2    # ~2.5 min: smc with --reps 15, no NCCL probe, SM clocks and
 #                                      # power sampled by nvidia-smi into smc2/clocks.csv
 #   bash benchmarks/e2e_gpu.sh gloo    # ~40 s: gloo_host.py (gloo latency and bandwidth; does a
@@ -378,7 +380,11 @@ smc5)
   # window (without it the GEMM's null row was +6%: the GEMM runs at the power limit)
   # SMC5_CLOCKS=1: SM clock and power sampled every 100 ms alongside (is the paced copy
   # engine's GEMM slowdown a clock drop? the rows' finished_unix line up with the CSV)
+  # SMC_WORKLOAD_FROM=E2E_JSON: the workload cell is the size of one SM-free collective
+  # measured in that e2e report (sm_contention.py --workload-from), not the 220e6 default
   mkdir -p "$OUT/smc5"
+  wl=()
+  [ -n "${SMC_WORKLOAD_FROM:-}" ] && wl=(--workload-from "$SMC_WORKLOAD_FROM")
   if [ "${SMC5_CLOCKS:-0}" = 1 ]; then
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
       --format=csv,noheader -lms 100 > "$OUT/smc5/clocks.csv" 2>/dev/null &
@@ -386,7 +392,7 @@ smc5)
   fi
   timeout 400 python -m torch.distributed.run --nproc-per-node 2 benchmarks/sm_contention.py \
     --out "$OUT/smc5" --git-sha "${FREESCALE_GIT_SHA:-}" --reps 15 --no-probe --paired-alone \
-    --cooldown-ms 100 --time-budget-s 260 --total-budget-s 300 > "$OUT/smc5.log" 2>&1
+    --cooldown-ms 100 --time-budget-s 260 --total-budget-s 300 ${wl[@]+"${wl[@]}"} > "$OUT/smc5.log" 2>&1
   echo "sm_contention rc=$?"
   [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
   ;;

@@ -140,8 +140,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workload-bytes",
         type=float,
         default=220e6,
-        help="per-step embedding bytes per rank of the end-to-end workload (~220 MB at "
-        "128 samples x 2K UIH x dim 128 fp32); added to the sizes",
+        help="the workload size: all-to-all input bytes per rank at which the 'under 2%%' "
+        "targets are read; added to the sizes (default: 220e6, an a-priori estimate of a "
+        "step's embedding bytes; --workload-from measures it instead)",
+    )
+    p.add_argument(
+        "--workload-from",
+        default=None,
+        metavar="E2E_JSON",
+        help="take the workload size from an e2e report (freescale bench e2e): the mean "
+        "all-to-all input per rank of one collective on the SM-free backend in its "
+        "'freescale' row (workload_from_e2e); replaces --workload-bytes",
     )
     p.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
     p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
@@ -197,6 +206,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.reps < 1 or a.window_ms <= 0:
         p.error("--reps must be >= 1 and --window-ms > 0")
+    a.workload = {"source": "--workload-bytes", "input_bytes_per_rank": a.workload_bytes}
+    if a.workload_from:
+        try:
+            with open(a.workload_from) as f:
+                a.workload = workload_from_e2e(json.load(f))
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--workload-from {a.workload_from}: {exc}")
+        a.workload["source"] = a.workload_from
+        a.workload_bytes = float(a.workload["input_bytes_per_rank"])
     want = [] if a.no_paced else list(dict.fromkeys(a.paced_backends))
     a.paced_backends = [b for b in want if b in a.backends and "nccl" in a.backends]
     a.paced_dropped = [b for b in want if b not in a.paced_backends]
@@ -213,6 +231,50 @@ def paced_name(backend: str) -> str:
 def paced_base(backend: str) -> str | None:
     """The backend a paced pseudo-backend paces (None for a plain backend)."""
     return backend[: -len(PACED_SUFFIX)] if backend in PACED_BACKENDS else None
+
+
+def workload_from_e2e(report: dict[str, Any], variant: str = "freescale") -> dict[str, Any]:
+    """The size of one SM-free collective in an e2e report's ``variant`` row: bytes its
+    overlap backend (``summary.overlap_backend``) sent per step / that backend's
+    collectives per step, as all-to-all input per rank (x W / (W - 1): a rank keeps
+    its own share), the unit of this benchmark's sizes. Collectives per step come from
+    ``summary.comm_calls_by_backend`` (reports since session 19), else from the waits
+    on them (``summary.host_cpu.host_wait_all_threads``, keys ``thread|backend:name``:
+    every overlapped collective is waited on once). ValueError if the row is missing or
+    its overlap backend carried nothing."""
+    rows = {r.get("variant"): r for r in report.get("rows", [])}
+    if variant not in rows:
+        raise ValueError(f"no {variant!r} row (rows: {sorted(map(str, rows))})")
+    s = rows[variant]["summary"]
+    backend, steps, world = s.get("overlap_backend"), int(s["steps"]), int(s["world_size"])
+    sent = (s.get("comm_bytes_by_backend") or {}).get(backend, 0)
+    if world < 2 or not sent or not backend:
+        raise ValueError(f"{variant!r} sent nothing through its overlap backend ({backend})")
+    calls = (s.get("comm_calls_by_backend") or {}).get(backend)
+    if calls:
+        per_step, how = calls / steps, "summary.comm_calls_by_backend"
+    else:
+        waits = (s.get("host_cpu") or {}).get("host_wait_all_threads") or {}
+        per_step = sum(
+            float(v.get("calls_per_step", 0.0))
+            for k, v in waits.items()
+            if k.split("|", 1)[-1].startswith(f"{backend}:")
+        )
+        how = "summary.host_cpu.host_wait_all_threads (waits per collective)"
+    if per_step <= 0:
+        raise ValueError(f"no {backend} collectives per step found in {variant!r}")
+    sent_per_call = sent / steps / per_step
+    return {
+        "variant": variant,
+        "backend": backend,
+        "world_size": world,
+        "bytes_sent_per_step": sent / steps,
+        "collectives_per_step": per_step,
+        "collectives_per_step_from": how,
+        "bytes_sent_per_collective": sent_per_call,
+        "input_bytes_per_rank": sent_per_call * world / (world - 1),
+        "git_sha": report.get("git_sha"),
+    }
 
 
 def size_list(a: argparse.Namespace) -> list[int]:
@@ -717,6 +779,7 @@ def smoke(a: argparse.Namespace) -> int:
         "command": command_line(),
         "method": METHOD,
         "config": vars(a),
+        "workload": a.workload,
         "bandwidth_alone": bandwidth,
         "rows": rows,
         "headline": headline(rows, bandwidth, int(a.workload_bytes)),
@@ -1408,6 +1471,7 @@ def bench_main(a: argparse.Namespace) -> int:
             "env": {k: os.environ.get(k) for k in _SAFE_ENV},
             "method": METHOD,
             "config": vars(a),
+            "workload": a.workload,
             "kernels": measured["kernels"],
             "bandwidth_alone": measured["bandwidth_alone"],
             "rows": measured["rows"],

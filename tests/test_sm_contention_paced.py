@@ -341,3 +341,52 @@ def test_headline_paced_minus_null():
         "attention": pytest.approx(0.02)
     }
     assert h["null_slowdown_at_workload"]["attention"]["slowdown"] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------ the workload size
+def _e2e_report(summary_extra: dict, waits: dict) -> dict:
+    summary = {
+        "steps": 100,
+        "world_size": 2,
+        "overlap_backend": "copy_engine",
+        "comm_bytes_by_backend": {"nccl": 9e9, "copy_engine": 100 * 2 * 28e6},
+        "host_cpu": {"host_wait_all_threads": waits},
+        **summary_extra,
+    }
+    return {"git_sha": "abc", "rows": [{"variant": "vanilla"}, {"variant": "freescale",
+                                                              "summary": summary}]}  # fmt: skip
+
+
+def test_workload_from_e2e_sizes_one_sm_free_collective(tmp_path):
+    waits = {
+        "MainThread|copy_engine:exclusive_embeddings": {"calls_per_step": 1.0},
+        "MainThread|copy_engine:exclusive_grads": {"calls_per_step": 1.0},
+        "MainThread|nccl:ids": {"calls_per_step": 1.0},  # another backend: not counted
+    }
+    wl = smc.workload_from_e2e(_e2e_report({}, waits))
+    # 56 MB sent per step in 2 collectives; W = 2 keeps half: 56 MB of input per rank
+    assert wl["collectives_per_step"] == 2.0
+    assert wl["bytes_sent_per_collective"] == pytest.approx(28e6)
+    assert wl["input_bytes_per_rank"] == pytest.approx(56e6)
+    assert "host_wait" in wl["collectives_per_step_from"]
+    # the trainer's call counts win over the waits when the report has them
+    wl = smc.workload_from_e2e(_e2e_report({"comm_calls_by_backend": {"copy_engine": 400}}, waits))
+    assert wl["collectives_per_step"] == 4.0
+    assert wl["input_bytes_per_rank"] == pytest.approx(28e6)
+    # the flag reads the file and puts the size among the cells
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(_e2e_report({}, waits)))
+    a = smc.parse_args(["--out", str(tmp_path), "--workload-from", str(path)])
+    assert a.workload_bytes == pytest.approx(56e6)
+    assert a.workload["source"] == str(path)
+    assert int(56e6) in smc.size_list(a)
+
+
+def test_workload_from_e2e_errors_name_what_is_missing():
+    with pytest.raises(ValueError, match="no 'freescale' row"):
+        smc.workload_from_e2e({"rows": [{"variant": "vanilla"}]})
+    report = _e2e_report({"comm_bytes_by_backend": {"nccl": 1}}, {})
+    with pytest.raises(ValueError, match="sent nothing"):
+        smc.workload_from_e2e(report)
+    with pytest.raises(ValueError, match="no copy_engine collectives"):
+        smc.workload_from_e2e(_e2e_report({}, {}))

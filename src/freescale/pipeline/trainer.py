@@ -385,6 +385,13 @@ class Trainer:
     def comm_bytes_by_backend(self) -> dict[str, int]:
         """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
         hooks' communicators such as the balancer's)."""
+        return self._comm_stat_by_backend("bytes")
+
+    def comm_calls_by_backend(self) -> dict[str, int]:
+        """Collectives this rank issued per backend (the same communicators)."""
+        return self._comm_stat_by_backend("calls")
+
+    def _comm_stat_by_backend(self, what: str) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         comms = [self.emb_comm, self.meta_comm, self.data_comm]
         comms.append(getattr(self.sparse, "side_comm", None))
@@ -394,7 +401,7 @@ class Trainer:
             if c is None or id(c) in seen:
                 continue
             seen.add(id(c))
-            for key, n in c.stats.bytes.items():
+            for key, n in getattr(c.stats, what).items():
                 out[key.split(":", 1)[0]] += int(n)
         return dict(out)
 
@@ -1048,6 +1055,7 @@ class Trainer:
                 getattr(self.sparse, "side_comm", None), "backend_name", None
             ),
             "comm_bytes_by_backend": self.comm_bytes_by_backend(),
+            "comm_calls_by_backend": self.comm_calls_by_backend(),
             # the SM-free protocol in force, when an SM-free backend carries the
             # overlapped traffic (copy engine: completion, handshake)
             "smfree": _smfree_protocol(getattr(self.sparse, "side_comm", None)),
