@@ -36,6 +36,9 @@ def test_accounting_known_answer(tmp_path):
         _k("Memcpy HtoD (Pinned -> Device)", 80, 10, cat="gpu_memcpy"),
         _k("add", 90, 10),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": -50, "dur": 500},
+        # 5 runtime / driver calls on host threads (launch load, not GPU time)
+        *[_k("cudaLaunchKernel", 10 * i, 1, cat="cuda_runtime") for i in range(4)],
+        _k("cuLaunchKernel", 3, 1, cat="cuda_driver"),
     ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -47,6 +50,8 @@ def test_accounting_known_answer(tmp_path):
     assert a["bubble_ms"] == pytest.approx(40e-3 / 2)
     assert a["exposed_comm_ms"] == pytest.approx(20e-3 / 2)  # [30,40] [70,80]
     assert a["other_idle_ms"] == pytest.approx(20e-3 / 2)  # [60,70] [80,90]
+    assert a["gpu_ops_per_step"] == pytest.approx(7 / 2)  # 6 kernels and a copy
+    assert a["runtime_calls_per_step"] == pytest.approx(5 / 2)
     # per kind: the all-to-all's exposed part [30,40], the all-reduce's [70,80]
     assert a["exposed_by_kind_ms"] == pytest.approx(
         {"all_to_all": 10e-3 / 2, "all_reduce": 10e-3 / 2}

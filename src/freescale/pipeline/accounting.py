@@ -21,7 +21,9 @@ device, every stream):
   union minus compute — which collective the compute stream waits for;
 * *other idle*: bubble minus exposed communication (host-bound gaps: launches, host
   syncs, data). Host-to-device and device-to-host copies count as neither compute nor
-  communication.
+  communication;
+* *launch load*: GPU operations and CUDA runtime / driver calls (all host threads) per
+  step, the work whose tracing makes up the profiler's host cost.
 
 Every quantity is reported in milliseconds per step (window totals divided by the
 number of profiled steps). The accounting needs GPU activity; on a CPU run it returns
@@ -45,6 +47,8 @@ ACCOUNTING_KEYS = (
     "bubble_ms",
     "exposed_comm_ms",
     "other_idle_ms",
+    "gpu_ops_per_step",
+    "runtime_calls_per_step",
 )
 
 
@@ -157,6 +161,14 @@ def gpu_accounting(trace: str | dict[str, Any], steps: int) -> dict[str, Any]:
         "other_idle_ms": (window - busy - exposed) * us_to_ms,
         "kernels": len(gpu),
         "comm_kernels": len(comm),
+        # launch load: GPU operations (kernels, copies, memsets) and CUDA runtime /
+        # driver calls (every host thread) per step; the profiler's host cost grows
+        # with the calls (benchmarks/cupti_overhead.py)
+        "gpu_ops_per_step": len(gpu) / n,
+        "runtime_calls_per_step": sum(
+            1 for ev in events if ev.get("cat") in ("cuda_runtime", "cuda_driver")
+        )
+        / n,
         # exposed communication per collective kind (each kind's union minus compute;
         # kinds in flight at the same time each count, so the sum can exceed the total)
         "exposed_by_kind_ms": {
