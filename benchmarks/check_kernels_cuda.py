@@ -71,6 +71,10 @@ def main() -> int:
                     "triton_v4_columns": ranged_dispatch_v4(
                         *args, mode=mode, lengths_mode="columns"
                     ),
+                    # the scatter's tile offsets from one row per program (tl.gather)
+                    "triton_v4_et_row": ranged_dispatch_v4(
+                        *args, mode=mode, et_gather="row", tile=256, scatter_block=64
+                    ),
                 }
                 for name, got in variants.items():
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):

@@ -127,6 +127,8 @@ MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
 LENGTHS_MODES = ("rows", "columns")  # `V4Config.lengths_mode`
 SCATTER_ORDERS = ("tile", "block")  # `V4Config.scatter_order`
 PEERS = ("auto", "match", "compare")  # `V4Config.peers`
+ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
+ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 
 
 # ---------------------------------------------------------------------------------------
@@ -706,12 +708,16 @@ def _v4_scatter_kernel(
     BLOCK: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr,
     TILE_MAJOR: tl.constexpr,
+    ET_ROW: tl.constexpr,
 ):
     """Block b of tile t: position = et[t, dest] + rank in tile; local row. TILE_MAJOR:
     program p is block p % BLOCKS_PER_TILE of tile p // BLOCKS_PER_TILE, so a tile's
     blocks run together and fill its short per-dest runs while their sectors sit in L2;
     otherwise (the first v4) p is tile p % T, block p // T: every block of a wave writes
-    ~1 id per dest run and the run's sectors are completed a whole grid pass later."""
+    ~1 id per dest run and the run's sectors are completed a whole grid pass later.
+    ET_ROW (a power of two >= W, or 0): load the tile's et row once, coalesced, and pick
+    each id's entry with `tl.gather` (through shared memory) instead of one global load
+    per id (a gather touching up to 32 sectors per warp at large W)."""
     pid = tl.program_id(0)
     if TILE_MAJOR:
         t = (pid // BLOCKS_PER_TILE).to(tl.int64)
@@ -728,7 +734,13 @@ def _v4_scatter_kernel(
     ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
     packed = tl.load(ranks_ptr + offs, mask=mask, other=0)
     dest = packed >> 16
-    pos = tl.load(et_ptr + t * WORLD + dest, mask=mask, other=0).to(tl.int64) + (packed & 0xFFFF)
+    if ET_ROW > 0:
+        cols = tl.arange(0, ET_ROW)
+        row = tl.load(et_ptr + t * WORLD + cols, mask=cols < WORLD, other=0)
+        base = tl.gather(row, tl.where(mask, dest, 0), 0)
+    else:
+        base = tl.load(et_ptr + t * WORLD + dest, mask=mask, other=0)
+    pos = base.to(tl.int64) + (packed & 0xFFFF)
     if MODULO:
         local = ids // WORLD
     else:
@@ -760,6 +772,9 @@ class V4Config:
     peers: how a chunk's lanes find same-dest lanes: "match" (PTX ``match.any.sync`` +
         ``popc``; CUDA and chunk 32 only), "compare" ([chunk, chunk] equalities; what the
         interpreter runs), "auto" (default): "match" where it can run.
+    et_gather: how a scatter program finds each id's tile offset: "global" (default: one
+        load of et[t, dest] per id) or "row" (the tile's W-row loaded once and indexed
+        with `tl.gather`; W <= ET_ROW_MAX_WORLD).
     lengths_mode: how the per-(dest, segment) lengths are made. "rows" (default): the rank
         program stores a contiguous [W] counter snapshot per segment it owns and a blocked
         pass writes lengths[d, s] = P(d, s + 1) - P(d, s) row by row. "columns" (the first
@@ -779,6 +794,7 @@ class V4Config:
     finish_block: int = 32
     scatter_order: str = "tile"
     peers: str = "auto"
+    et_gather: str = "global"
 
 
 def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
@@ -811,9 +827,12 @@ def _check(cfg: V4Config, world_size: int) -> None:
         ("lengths_mode", cfg.lengths_mode, LENGTHS_MODES),
         ("scatter_order", cfg.scatter_order, SCATTER_ORDERS),
         ("peers", cfg.peers, PEERS),
+        ("et_gather", cfg.et_gather, ET_GATHERS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if cfg.et_gather == "row" and world_size > ET_ROW_MAX_WORLD:
+        raise ValueError(f"et_gather='row' supports world_size <= {ET_ROW_MAX_WORLD}")
 
 
 def _use_match(cfg: V4Config, device: torch.device) -> bool:
@@ -847,6 +866,7 @@ def ranged_dispatch_v4(
     finish_block: Optional[int] = None,
     scatter_order: Optional[str] = None,
     peers: Optional[str] = None,
+    et_gather: Optional[str] = None,
 ) -> DispatchResult:
     """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
     as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`
@@ -867,6 +887,7 @@ def ranged_dispatch_v4(
         finish_block=finish_block or base.finish_block,
         scatter_order=scatter_order or base.scatter_order,
         peers=peers or base.peers,
+        et_gather=et_gather or base.et_gather,
     )
     _check(cfg, world_size)
     match = _use_match(cfg, dev)
@@ -962,7 +983,8 @@ def ranged_dispatch_v4(
         out_values, out_values if out_weights is None else out_weights, perm,
         WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None,
         BLOCK=cfg.scatter_block, BLOCKS_PER_TILE=blocks_per_tile,
-        TILE_MAJOR=cfg.scatter_order == "tile", num_warps=cfg.scatter_warps,
+        TILE_MAJOR=cfg.scatter_order == "tile", ET_ROW=wp if cfg.et_gather == "row" else 0,
+        num_warps=cfg.scatter_warps,
     )  # fmt: skip
     return DispatchResult(
         values=out_values,
