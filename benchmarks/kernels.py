@@ -50,7 +50,16 @@ WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 NUM_KEYS = 4
 # experimental dispatch kernels: timed when they compile and agree with the reference and
 # v3; a failure is recorded in the row (<name>_error), never fatal to the figure
-EXPERIMENTAL = ("triton_v4", "triton_v4_first")
+EXPERIMENTAL = ("triton_v4", "triton_v4_first", "triton_v4_s18")
+# earlier v4 configurations, timed next to the current defaults (same bits)
+V4_PINNED = {
+    # as measured at e756e56: same-dest lanes by the [32, 32] compare, the scatter grid
+    # walking every tile's first block, then every second, ..., a global load per id
+    "triton_v4_first": {"peers": "compare", "scatter_order": "block", "et_gather": "global",
+                        "scatter_block": 1024, "scatter_warps": 4},
+    # session 18's defaults (87e7306): match.any, tile-major scatter, a global load per id
+    "triton_v4_s18": {"et_gather": "global", "scatter_block": 1024, "scatter_warps": 4},
+}  # fmt: skip
 MEAN_UIH = 2048
 MAX_UIH = 16384
 EMBEDDING_DIM = 128
@@ -252,8 +261,10 @@ class Runner:
                 row["fraction_of_hbm_floor"] = row["floor_ms"] / t
         if row.get("triton_v4_ms") and row.get("triton_v3_ms"):
             row["speedup_v4_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_ms"]
-        if row.get("triton_v4_first_ms") and row.get("triton_v4_ms"):
-            row["speedup_v4_vs_v4_first"] = row["triton_v4_first_ms"] / row["triton_v4_ms"]
+        for name in V4_PINNED:
+            suffix = name.removeprefix("triton_")
+            if row.get(f"{name}_ms") and row.get("triton_v4_ms"):
+                row[f"speedup_v4_vs_{suffix}"] = row[f"{name}_ms"] / row["triton_v4_ms"]
         self.rows.append(row)
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
         print(json.dumps(shown), flush=True)
@@ -325,11 +336,8 @@ class Runner:
                 # what `kernels.ranged_dispatch` (training's call) runs on CUDA for this
                 # many ids: v3 below ops.V4_MIN_IDS, v4 from there
                 fns["triton_auto"] = partial(ops.ranged_dispatch, *args, backend="triton")
-                # v4 as measured at e756e56: same-dest lanes by the [32, 32] compare, the
-                # scatter grid walking every tile's first block, then every second, ...
-                fns["triton_v4_first"] = partial(
-                    self.v4.ranged_dispatch_v4, *args, peers="compare", scatter_order="block"
-                )
+                for name, knobs in V4_PINNED.items():
+                    fns[name] = partial(self.v4.ranged_dispatch_v4, *args, **knobs)
             floor = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + world)
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
             if tri:  # the kernel triton_auto ran (FREESCALE_TRITON_DISPATCH can force one)
@@ -493,7 +501,8 @@ def _headline(rows: list[dict]) -> dict:
             "dispatch_fraction_of_hbm_floor": ratio(floor, big.get(key)),
         }
 
-    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_v4_first_ms", "triton_auto_ms")
+    keys = ("triton_v1_ms", "triton_v3_ms", "triton_v4_ms", "triton_auto_ms")
+    keys += tuple(f"{name}_ms" for name in V4_PINNED)
     have = {k for r in rows for k in keys if k in r}
     if "triton_auto_ms" in have:  # since session 18: the size-based choice of ops
         out = fig("triton_auto_ms")
@@ -521,8 +530,10 @@ def _headline(rows: list[dict]) -> dict:
         out.update({f"{k}_v2": v for k, v in fig("triton_ms").items()})
     if "triton_v4_ms" in have:
         out.update({f"{k}_v4": v for k, v in fig("triton_v4_ms").items()})
-    if "triton_v4_first_ms" in have:
-        out.update({f"{k}_v4_first": v for k, v in fig("triton_v4_first_ms").items()})
+    for name in V4_PINNED:
+        if f"{name}_ms" in have:
+            suffix = name.removeprefix("triton_")
+            out.update({f"{k}_{suffix}": v for k, v in fig(f"{name}_ms").items()})
     out["kernel"] = kernel
     out["definition"] = (
         "speedups: ranged_dispatch, per_rank workload (one rank's batch, 128 samples x 4 "
@@ -533,8 +544,11 @@ def _headline(rows: list[dict]) -> dict:
         "scan; *_v2: the sort-free kernel; "
         "*_v4: large tiles ranked per warp + flat scatter (triton_dispatch_v4; "
         "lengths from per-segment counter snapshots, lengths_mode='rows'; same-dest lanes by "
-        "PTX match.any, a tile's scatter blocks adjacent in launch order); *_v4_first: v4 as "
-        "timed at e756e56 (peers='compare', scatter_order='block')"
+        "PTX match.any, a tile's scatter blocks adjacent in launch order; since session 19 "
+        "each scatter program's tile offsets from one row via tl.gather, et_gather='row', "
+        "and 2048-id scatter programs at W=128..512); *_v4_first: v4 as timed at e756e56 "
+        "(peers='compare', scatter_order='block', et_gather='global'); *_v4_s18: session "
+        "18's defaults (et_gather='global', 1024-id scatter programs)"
     )
     return out
 
@@ -558,6 +572,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
             ("triton_v3", "d-"),
             ("triton_v4", "*-"),
             ("triton_v4_first", "x-"),
+            ("triton_v4_s18", "+-"),
             ("vectorized", "s--"),
             ("naive", "^:"),
         ):

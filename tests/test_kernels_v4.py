@@ -80,11 +80,13 @@ def test_v4_matches_reference(gen, world, mode, lengths_mode):
             gen, world, max_batch=6, max_len=70, with_weights=i % 2 == 0, **_dtypes(world + i)
         )
         args = (case.values, case.lengths, case.block_sizes, world)
-        # both scatter orders: a tile's blocks adjacent (default) and the first v4's
+        # both scatter orders: a tile's blocks adjacent (default) and the first v4's;
+        # both ways to find a tile's offsets: one row per program (default) or per id
         order = ("tile", "block")[i % 2]
+        et_gather = ("row", "row", "global", "global")[i]
         _check(args, mode, case.weights, case.describe(), tile=tile, chunk=chunk,
-               scatter_block=block, lengths_mode=lengths_mode,
-               scatter_order=order)  # fmt: skip
+               scatter_block=block, lengths_mode=lengths_mode, scatter_order=order,
+               et_gather=et_gather)  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [1, 5, 300, 1024])
@@ -199,13 +201,15 @@ def test_v4_rejects_bad_knobs():
     args = (torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([4]), 2)
     bad = ({"tile": 48}, {"tile": 8}, {"chunk": 64}, {"scatter_block": 24},
            {"finish_block": 8}, {"finish_block": 512}, {"lengths_mode": "diagonal"},
-           {"scatter_order": "random"}, {"peers": "ballot"},
+           {"scatter_order": "random"}, {"peers": "ballot"}, {"et_gather": "smem"},
            {"peers": "match"})  # fmt: skip  # match: PTX, needs CUDA
     for knobs in bad:
         with pytest.raises(ValueError):
             v4.ranged_dispatch_v4(*args, **knobs)
     with pytest.raises(ValueError):
         v4.ranged_dispatch_v4(*args[:3], v4.MAX_WORLD + 1)
+    with pytest.raises(ValueError, match="et_gather='row'"):
+        v4.ranged_dispatch_v4(*args[:3], v4.ET_ROW_MAX_WORLD + 1, et_gather="row")
 
 
 def test_v4_default_config():
@@ -218,6 +222,14 @@ def test_v4_default_config():
     assert v4.default_config_v4(1024, cuda, 1 << 26).tile == 8192
     assert v4.default_config_v4(8, cuda, 1 << 20).tile == 1024
     assert v4.default_config_v4(8, cuda, 100).tile == 1024
+    # the scatter's offset row through tl.gather up to ET_ROW_MAX_WORLD, on both devices
+    for dev in (torch.device("cpu"), cuda):
+        assert v4.default_config_v4(v4.ET_ROW_MAX_WORLD, dev, 1 << 26).et_gather == "row"
+        assert v4.default_config_v4(v4.ET_ROW_MAX_WORLD + 1, dev, 1 << 26).et_gather == "global"
+    # wider scatter programs where they measured faster (W = 128..512)
+    for w, block, warps in ((64, 1024, 4), (128, 2048, 8), (512, 2048, 8), (1024, 1024, 4)):
+        cfg = v4.default_config_v4(w, cuda, 1 << 26)
+        assert (cfg.scatter_block, cfg.scatter_warps) == (block, warps), w
 
 
 if triton_available():  # a module-level kernel: jit functions resolve names in globals

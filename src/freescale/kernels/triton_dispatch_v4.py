@@ -803,13 +803,25 @@ def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config
     A rank program is one warp walking its tile serially, so the grid wants several
     thousand tiles at 2^26 ids (8K-id tiles: 8K programs, a 32 MB count matrix at W=1024)
     and ~1K at one rank's ~1M ids (1K-id tiles). On CPU (interpreter) everything is tiny
-    so that tests cover many tiles and chunks. ``world_size`` is kept for callers.
+    so that tests cover many tiles and chunks.
+
+    Scatter (one H200, 2^26 ids, device time, `dispatch_profile_etrow2_c3aedfe.json`):
+    the tile's offset row through `tl.gather` (et_gather="row") took 0.87-0.94x the
+    per-id loads at W = 8, 32, 128 and 1024, 1.02x at 256 and 512; with 2048-id, 8-warp
+    scatter programs it took 0.91-0.94x at W = 128-512. Both are the defaults where they
+    won (row up to ET_ROW_MAX_WORLD); the interpreter follows the same et_gather rule.
     """
-    del world_size
+    et_gather = "row" if world_size <= ET_ROW_MAX_WORLD else "global"
     if device.type == "cpu":
-        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16)
+        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16, et_gather=et_gather)
     tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
-    return V4Config(tile=tile)
+    wide = 128 <= world_size <= 512
+    return V4Config(
+        tile=tile,
+        et_gather=et_gather,
+        scatter_block=2048 if wide else 1024,
+        scatter_warps=8 if wide else 4,
+    )
 
 
 def _check(cfg: V4Config, world_size: int) -> None:
