@@ -6,8 +6,8 @@ compiled, on an H200 by `benchmarks/check_kernels_cuda.py`), same call as v3
 (`triton_impl.ranged_dispatch_v1(dest_major=True)`) plus keyword tuning knobs.
 `ops.ranged_dispatch` runs it on CUDA from `ops.V4_MIN_IDS` ids per call.
 
-Measured (H200, 2^26 ids, git 87e7306; BENCHMARKS.md "kernels"): 1.06 ms at W=8, 3.36
-ms at W=1024 (0.36 / 0.13 of the HBM floor). Nsight Compute puts the W=1024 rank kernel
+Measured (H200, 2^26 ids, git a2674e6; BENCHMARKS.md "kernels"): 0.91 ms at W=8, 3.09
+ms at W=1024 (0.41 / 0.143 of the HBM floor). Nsight Compute puts the W=1024 rank kernel
 at 86% of L2 throughput (the counter write-backs below) and the scatter at 83M store
 sectors for 2^26 8-byte ids. Both costs come from state and reordering that would
 belong in shared memory, which Triton does not let a kernel index.
@@ -32,7 +32,9 @@ among same-dest ids earlier in its tile) and changes how both parts are computed
   the work per id does not depend on W (~6 warp instructions per id on sm_90 by static
   count, v3's sort + histogram ~20-25).
 * `_v4_scatter_kernel` is flat and fully parallel: position = [tile][dest] exclusive scan
-  (`et`, one contiguous W-row per tile, gathered from L1) + rank; local row from the id.
+  (`et`, one contiguous W-row per tile, loaded once per program and indexed with
+  `tl.gather`, i.e. through shared memory, up to W = 4096: `V4Config.et_gather`) + rank;
+  local row from the id.
   A tile's scatter blocks are adjacent in launch order (`V4Config.scatter_order`), so
   the short per-dest runs a tile writes are completed while their sectors sit in L2.
 * Same-dest lanes of a chunk come from PTX ``match.any.sync`` on CUDA
