@@ -878,10 +878,12 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     acts = ("prioritized_steps", "collision_rows", "deferred_rows", "samples_moved")
     gpu = ("compute_ms", "bubble_ms", "exposed_comm_ms")
+    load = ("gpu_ops_per_step", "runtime_calls_per_step")  # absent before session 19
     head = (
         [c for c, _ in cols]
         + [f"ms {b}" for b in BREAKDOWN]
         + [f"GPU {g}" for g in gpu]
+        + ["GPU ops per step", "CUDA API calls per step"]
         + list(acts)
         + ["host CPU ms training thread", "host CPU ms process", "host cpu/wall"]
         + ["GIL wait mean ms", "GIL wait p90 ms", "GIL wait p99 ms"]
@@ -904,6 +906,7 @@ def _markdown(report: dict[str, Any]) -> str:
             cells.append("n/a" if v is None else fmt.format(v))
         cells += [f"{r['breakdown_ms'].get(b, 0.0):.2f}" for b in BREAKDOWN]
         cells += [("n/a" if _acct(r, g) is None else f"{_acct(r, g):.2f}") for g in gpu]
+        cells += [("n/a" if _acct(r, g) is None else f"{_acct(r, g):.0f}") for g in load]
         cells += [str(r["activity"].get(a, 0)) for a in acts]
         hc = (r.get("summary") or {}).get("host_cpu")
         cells += (
@@ -955,8 +958,10 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "GPU columns: per step over the profiled last steps, mean over ranks "
-        "(freescale.pipeline.accounting). Host CPU columns: rank 0, CPU ms per timed step "
-        "of the training thread and of the whole process, and process CPU / wall "
+        "(freescale.pipeline.accounting); GPU ops and CUDA API calls per step (every host "
+        "thread) are the launch load the profiler traces (benchmarks/cupti_overhead.py). "
+        "Host CPU columns: rank 0, CPU ms per timed step of the training thread and of "
+        "the whole process, and process CPU / wall "
         "(freescale.metrics.host_cpu; Python threads share one interpreter lock). GIL wait: "
         "rank 0, how late a probe thread that sleeps gil_probe_ms (2 by default) wakes "
         "(metrics.host_cpu.GilProbe). Unprofiled columns: wall ms per timed step before the "
