@@ -14,8 +14,10 @@ falls behind: each kernel is ~2 us). Side threads (0 or ``--side-threads``) loop
 their own streams over a 4 KB device-to-device copy, an event record and an event
 query, with ``--side-gap-us`` of sleep between iterations. Each configuration is timed
 ``--reps`` times, profiler off and on (``activities=[CUDA]``, no shapes, no stacks:
-what the e2e trainer records) alternating; the median is kept. Host timing only,
-nothing asserted.
+what the e2e trainer records) alternating; the median is kept. CUPTI is released when
+each profile stops (``TEARDOWN_CUPTI=1``, as the trainer sets it), and an unprofiled
+baseline timed before the first profile checks that. Host timing only, nothing
+asserted.
 
     PYTHONPATH=src python benchmarks/cupti_overhead.py --out DIR [--git-sha SHA]
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -117,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("cupti_overhead needs CUDA")
+    # release CUPTI when a profile stops, as the trainer does (ensure_cupti_teardown):
+    # otherwise its callbacks stay attached and every later "unprofiled" launch pays them
+    teardown = os.environ.setdefault("TEARDOWN_CUPTI", "1")
     dev = torch.device("cuda", 0)
     x = torch.zeros(1024, device=dev)
     measure(x, 2000, False)  # warm-up: kernels loaded, allocator primed
-    measure(x, 2000, True)  # and CUPTI initialised once
+    # a baseline before CUPTI was ever attached, against which teardown is checked
+    pristine = statistics.median(launch_loop(x, a.launches) for _ in range(a.reps))
+    measure(x, 2000, True)  # CUPTI initialised once
     rows = []
     for n_side in a.side_threads:
         samples: dict[bool, list[float]] = {False: [], True: []}
@@ -150,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             f"(+{on - off:.2f}, x{on / off:.2f})",
             flush=True,
         )
-    base = rows[0]
+    alone = next((r for r in rows if r["side_threads"] == 0), None)
     headline = {
-        "added_us_per_launch_alone": base["added_us_per_launch"],
+        "added_us_per_launch_alone": alone["added_us_per_launch"] if alone else None,
+        # unprofiled launches before any profile vs after profiles (alone): ~1 if CUPTI
+        # was released
+        "us_per_launch_before_any_profile": pristine,
+        "after_profiles_over_before": alone["us_per_launch_unprofiled"] / pristine
+        if alone
+        else None,
         "added_us_per_launch_by_side_threads": {
             str(r["side_threads"]): r["added_us_per_launch"] for r in rows
         },
@@ -167,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(shlex.quote(s) for s in sys.argv),
         "torch": torch.__version__,
+        "teardown_cupti": teardown,
         "method": __doc__.split("Method: ", 1)[1].split("\n\n", 1)[0].replace("\n", " "),
         "rows": rows,
         "headline": headline,

@@ -544,12 +544,17 @@ def _headline(rows: list[dict]) -> dict:
         "scan; *_v2: the sort-free kernel; "
         "*_v4: large tiles ranked per warp + flat scatter (triton_dispatch_v4; "
         "lengths from per-segment counter snapshots, lengths_mode='rows'; same-dest lanes by "
-        "PTX match.any, a tile's scatter blocks adjacent in launch order; since session 19 "
-        "each scatter program's tile offsets from one row via tl.gather, et_gather='row', "
-        "and 2048-id scatter programs at W=128..512); *_v4_first: v4 as timed at e756e56 "
-        "(peers='compare', scatter_order='block', et_gather='global'); *_v4_s18: session "
-        "18's defaults (et_gather='global', 1024-id scatter programs)"
-    )
+        "PTX match.any, a tile's scatter blocks adjacent in launch order"
+        + (
+            "; since session 19 each scatter program's tile offsets from one row via "
+            "tl.gather, et_gather='row', and 2048-id scatter programs at W=128..512"
+            if "triton_v4_s18_ms" in have
+            else ""
+        )
+        + "); *_v4_first: v4 as timed at e756e56 (peers='compare', scatter_order='block'"
+        + (", et_gather='global'); *_v4_s18: session 18's defaults (et_gather='global', "
+           "1024-id scatter programs)" if "triton_v4_s18_ms" in have else ")")
+    )  # fmt: skip
     return out
 
 

@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             with open(a.workload_from) as f:
                 a.workload = workload_from_e2e(json.load(f))
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             p.error(f"--workload-from {a.workload_from}: {exc}")
         a.workload["source"] = a.workload_from
         a.workload_bytes = float(a.workload["input_bytes_per_rank"])
@@ -237,22 +237,25 @@ def workload_from_e2e(report: dict[str, Any], variant: str = "freescale") -> dic
     """The size of one SM-free collective in an e2e report's ``variant`` row: bytes its
     overlap backend (``summary.overlap_backend``) sent per step / that backend's
     collectives per step, as all-to-all input per rank (x W / (W - 1): a rank keeps
-    its own share), the unit of this benchmark's sizes. Collectives per step come from
-    ``summary.comm_calls_by_backend`` (reports since session 19), else from the waits
-    on them (``summary.host_cpu.host_wait_all_threads``, keys ``thread|backend:name``:
-    every overlapped collective is waited on once). ValueError if the row is missing or
-    its overlap backend carried nothing."""
+    its own share), the unit of this benchmark's sizes. Bytes and collectives per step
+    come from the backend's all-to-alls in ``summary.comm_by_op`` (reports since
+    session 19); older reports give only the backend's total bytes, and collectives
+    per step from the waits on them (``summary.host_cpu.host_wait_all_threads``, keys
+    ``thread|backend:name``: every overlapped collective is waited on once).
+    ValueError if the row is missing or its overlap backend carried nothing."""
     rows = {r.get("variant"): r for r in report.get("rows", [])}
     if variant not in rows:
         raise ValueError(f"no {variant!r} row (rows: {sorted(map(str, rows))})")
     s = rows[variant]["summary"]
+    if not isinstance(s, dict):
+        raise ValueError(f"{variant!r} has no summary")
     backend, steps, world = s.get("overlap_backend"), int(s["steps"]), int(s["world_size"])
-    sent = (s.get("comm_bytes_by_backend") or {}).get(backend, 0)
+    a2a = (s.get("comm_by_op") or {}).get(f"{backend}:all_to_all") or {}
+    sent = a2a.get("bytes") or (s.get("comm_bytes_by_backend") or {}).get(backend, 0)
     if world < 2 or not sent or not backend:
         raise ValueError(f"{variant!r} sent nothing through its overlap backend ({backend})")
-    calls = (s.get("comm_calls_by_backend") or {}).get(backend)
-    if calls:
-        per_step, how = calls / steps, "summary.comm_calls_by_backend"
+    if a2a.get("calls"):
+        per_step, how = a2a["calls"] / steps, f"summary.comm_by_op[{backend}:all_to_all]"
     else:
         waits = (s.get("host_cpu") or {}).get("host_wait_all_threads") or {}
         per_step = sum(

@@ -132,6 +132,13 @@ def test_e2e_report_numerics(pool2, tmp_path):
     assert rows["freescale"]["ne_curve"] == rows["freescale_nccl_overlap"]["ne_curve"]
     assert rows["freescale"]["summary"]["overlap_backend"] == "host_staged"
     assert rows["freescale"]["summary"]["comm_bytes_by_backend"]["host_staged"] > 0
+    # per backend:collective, the same bytes (what sm_contention --workload-from reads)
+    by_op = rows["freescale"]["summary"]["comm_by_op"]
+    assert by_op["host_staged:all_to_all"]["calls"] > 0
+    assert (
+        sum(v["bytes"] for k, v in by_op.items() if k.startswith("host_staged:"))
+        == (rows["freescale"]["summary"]["comm_bytes_by_backend"]["host_staged"])
+    )
     assert rows["freescale_nccl_overlap"]["summary"]["overlap_backend"] != "host_staged"
     # tier 2: balancing and the legal reordering change summation orders (float64)
     reordered = ("vanilla_reordered", "vanilla_reordered_b")

@@ -222,14 +222,28 @@ def test_v4_default_config():
     assert v4.default_config_v4(1024, cuda, 1 << 26).tile == 8192
     assert v4.default_config_v4(8, cuda, 1 << 20).tile == 1024
     assert v4.default_config_v4(8, cuda, 100).tile == 1024
-    # the scatter's offset row through tl.gather up to ET_ROW_MAX_WORLD, on both devices
+    # the scatter's offset row through tl.gather by default up to the measured W, on
+    # both devices
+    top = v4.ET_ROW_DEFAULT_MAX_WORLD
     for dev in (torch.device("cpu"), cuda):
-        assert v4.default_config_v4(v4.ET_ROW_MAX_WORLD, dev, 1 << 26).et_gather == "row"
-        assert v4.default_config_v4(v4.ET_ROW_MAX_WORLD + 1, dev, 1 << 26).et_gather == "global"
-    # wider scatter programs where they measured faster (W = 128..512)
-    for w, block, warps in ((64, 1024, 4), (128, 2048, 8), (512, 2048, 8), (1024, 1024, 4)):
-        cfg = v4.default_config_v4(w, cuda, 1 << 26)
-        assert (cfg.scatter_block, cfg.scatter_warps) == (block, warps), w
+        assert v4.default_config_v4(top, dev, 1 << 26).et_gather == "row"
+        assert v4.default_config_v4(top + 1, dev, 1 << 26).et_gather == "global"
+    # wider scatter programs where they measured faster (W = 128..512) and a tile holds
+    # them (8K-id tiles at 2^26 ids; 1K-id tiles below 2^24)
+    for w, n, block, warps in ((64, 1 << 26, 1024, 4), (128, 1 << 26, 2048, 8),
+                               (512, 1 << 26, 2048, 8), (1024, 1 << 26, 1024, 4),
+                               (256, 1 << 22, 1024, 4)):  # fmt: skip
+        cfg = v4.default_config_v4(w, cuda, n)
+        assert (cfg.scatter_block, cfg.scatter_warps) == (block, warps), (w, n)
+    assert v4.default_scatter_warps(2048) == 8 and v4.default_scatter_warps(1024) == 4
+
+
+def test_v4_et_row_above_the_default_range(gen):
+    """et_gather="row" asked for explicitly above ET_ROW_DEFAULT_MAX_WORLD (W=2048, a row
+    of 2048 offsets per program), against the reference."""
+    case = random_dispatch_case(gen, 2048, max_batch=4, max_len=60, with_weights=True)
+    args = (case.values, case.lengths, case.block_sizes, 2048)
+    _check(args, "block", case.weights, case.describe(), et_gather="row")
 
 
 if triton_available():  # a module-level kernel: jit functions resolve names in globals

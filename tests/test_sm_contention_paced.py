@@ -369,9 +369,15 @@ def test_workload_from_e2e_sizes_one_sm_free_collective(tmp_path):
     assert wl["bytes_sent_per_collective"] == pytest.approx(28e6)
     assert wl["input_bytes_per_rank"] == pytest.approx(56e6)
     assert "host_wait" in wl["collectives_per_step_from"]
-    # the trainer's call counts win over the waits when the report has them
-    wl = smc.workload_from_e2e(_e2e_report({"comm_calls_by_backend": {"copy_engine": 400}}, waits))
+    # the trainer's per-collective counts win when the report has them: only the
+    # backend's all-to-alls (an all-gather on it is not an all-to-all's size)
+    by_op = {
+        "copy_engine:all_to_all": {"bytes": 100 * 4 * 14e6, "calls": 400},
+        "copy_engine:all_gather": {"bytes": 100 * 1e6, "calls": 100},
+    }
+    wl = smc.workload_from_e2e(_e2e_report({"comm_by_op": by_op}, waits))
     assert wl["collectives_per_step"] == 4.0
+    assert wl["bytes_sent_per_collective"] == pytest.approx(14e6)
     assert wl["input_bytes_per_rank"] == pytest.approx(28e6)
     # the flag reads the file and puts the size among the cells
     path = tmp_path / "e2e.json"
@@ -390,3 +396,5 @@ def test_workload_from_e2e_errors_name_what_is_missing():
         smc.workload_from_e2e(report)
     with pytest.raises(ValueError, match="no copy_engine collectives"):
         smc.workload_from_e2e(_e2e_report({}, {}))
+    with pytest.raises(ValueError, match="no summary"):
+        smc.workload_from_e2e({"rows": [{"variant": "freescale", "summary": None}]})

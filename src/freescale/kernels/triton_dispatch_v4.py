@@ -131,6 +131,7 @@ SCATTER_ORDERS = ("tile", "block")  # `V4Config.scatter_order`
 PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
+ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
 
 
 # ---------------------------------------------------------------------------------------
@@ -774,9 +775,9 @@ class V4Config:
     peers: how a chunk's lanes find same-dest lanes: "match" (PTX ``match.any.sync`` +
         ``popc``; CUDA and chunk 32 only), "compare" ([chunk, chunk] equalities; what the
         interpreter runs), "auto" (default): "match" where it can run.
-    et_gather: how a scatter program finds each id's tile offset: "global" (default: one
-        load of et[t, dest] per id) or "row" (the tile's W-row loaded once and indexed
-        with `tl.gather`; W <= ET_ROW_MAX_WORLD).
+    et_gather: how a scatter program finds each id's tile offset: "row" (the tile's
+        W-row loaded once and indexed with `tl.gather`; W <= ET_ROW_MAX_WORLD; the default
+        up to ET_ROW_DEFAULT_MAX_WORLD) or "global" (one load of et[t, dest] per id).
     lengths_mode: how the per-(dest, segment) lengths are made. "rows" (default): the rank
         program stores a contiguous [W] counter snapshot per segment it owns and a blocked
         pass writes lengths[d, s] = P(d, s + 1) - P(d, s) row by row. "columns" (the first
@@ -810,20 +811,28 @@ def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config
     Scatter (one H200, 2^26 ids, device time, `dispatch_profile_etrow2_c3aedfe.json`):
     the tile's offset row through `tl.gather` (et_gather="row") took 0.87-0.94x the
     per-id loads at W = 8, 32, 128 and 1024, 1.02x at 256 and 512; with 2048-id, 8-warp
-    scatter programs it took 0.91-0.94x at W = 128-512. Both are the defaults where they
-    won (row up to ET_ROW_MAX_WORLD); the interpreter follows the same et_gather rule.
+    scatter programs it took 0.91-0.94x at W = 128-512 (8K-id tiles). Both are the
+    defaults where they won: "row" up to ET_ROW_DEFAULT_MAX_WORLD (the measured range;
+    the knob allows up to ET_ROW_MAX_WORLD), 2048-id programs only where a tile holds
+    them. The interpreter follows the same et_gather rule.
     """
-    et_gather = "row" if world_size <= ET_ROW_MAX_WORLD else "global"
+    et_gather = "row" if world_size <= ET_ROW_DEFAULT_MAX_WORLD else "global"
     if device.type == "cpu":
         return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16, et_gather=et_gather)
     tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
-    wide = 128 <= world_size <= 512
+    block = 2048 if 128 <= world_size <= 512 and tile >= 2048 else 1024
     return V4Config(
         tile=tile,
         et_gather=et_gather,
-        scatter_block=2048 if wide else 1024,
-        scatter_warps=8 if wide else 4,
+        scatter_block=block,
+        scatter_warps=default_scatter_warps(block),
     )
+
+
+def default_scatter_warps(scatter_block: int) -> int:
+    """Warps of a scatter program of this many ids when not given: 8 from 2048 ids (the
+    measured wide programs), else 4."""
+    return 8 if scatter_block >= 2048 else 4
 
 
 def _check(cfg: V4Config, world_size: int) -> None:
@@ -896,7 +905,9 @@ def ranged_dispatch_v4(
         tile=tile or base.tile,
         chunk=chunk or base.chunk,
         scatter_block=scatter_block or base.scatter_block,
-        scatter_warps=scatter_warps or base.scatter_warps,
+        # warps follow an explicitly given block size unless given too
+        scatter_warps=scatter_warps
+        or (default_scatter_warps(scatter_block) if scatter_block else base.scatter_warps),
         lengths_mode=lengths_mode or base.lengths_mode,
         finish_block=finish_block or base.finish_block,
         scatter_order=scatter_order or base.scatter_order,

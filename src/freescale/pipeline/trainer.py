@@ -385,14 +385,15 @@ class Trainer:
     def comm_bytes_by_backend(self) -> dict[str, int]:
         """Bytes this rank sent per backend (embedding, metadata, overlapped traffic,
         hooks' communicators such as the balancer's)."""
-        return self._comm_stat_by_backend("bytes")
-
-    def comm_calls_by_backend(self) -> dict[str, int]:
-        """Collectives this rank issued per backend (the same communicators)."""
-        return self._comm_stat_by_backend("calls")
-
-    def _comm_stat_by_backend(self, what: str) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
+        for key, stat in self.comm_by_op().items():
+            out[key.split(":", 1)[0]] += stat["bytes"]
+        return dict(out)
+
+    def comm_by_op(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and calls made by this rank per ``backend:collective`` (e.g.
+        ``copy_engine:all_to_all``), over the same communicators."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "calls": 0})
         comms = [self.emb_comm, self.meta_comm, self.data_comm]
         comms.append(getattr(self.sparse, "side_comm", None))
         comms += [getattr(h, "comm", None) for h in self.hooks]  # e.g. the balancer's
@@ -401,9 +402,11 @@ class Trainer:
             if c is None or id(c) in seen:
                 continue
             seen.add(id(c))
-            for key, n in getattr(c.stats, what).items():
-                out[key.split(":", 1)[0]] += int(n)
-        return dict(out)
+            for key, n in c.stats.bytes.items():
+                op = ":".join(key.split(":", 2)[:2])  # backend:collective, name dropped
+                out[op]["bytes"] += int(n)
+                out[op]["calls"] += int(c.stats.calls.get(key, 0))
+        return {k: dict(v) for k, v in out.items()}
 
     @property
     def events_timing(self) -> bool:
@@ -1055,7 +1058,7 @@ class Trainer:
                 getattr(self.sparse, "side_comm", None), "backend_name", None
             ),
             "comm_bytes_by_backend": self.comm_bytes_by_backend(),
-            "comm_calls_by_backend": self.comm_calls_by_backend(),
+            "comm_by_op": self.comm_by_op(),
             # the SM-free protocol in force, when an SM-free backend carries the
             # overlapped traffic (copy engine: completion, handshake)
             "smfree": _smfree_protocol(getattr(self.sparse, "side_comm", None)),
