@@ -14,8 +14,9 @@ every 50 us and each sample is charged to what the training thread (the one that
 that frame's caller), or "(no python frame)"; then by each host thread's innermost op.
 Host load: per thread (autograd's device thread runs the backward), the time in
 top-level ops ("busy"), the part of it blocked in CUDA synchronize / memcpy calls, and
-the rest ("work": what the host really computes), also per top-level op; and the
-blocking calls themselves by Python frame. All in milliseconds per profiled step. A
+the rest ("work": what the host really computes), also per top-level op; the
+blocking calls themselves by Python frame; and every CUDA runtime / driver call (the
+launch load) by thread and Python frame. All in milliseconds per profiled step. A
 diagnostic, not a figure: it writes nothing but stdout.
 """
 
@@ -70,6 +71,27 @@ def label(stack: list[dict]) -> str:
     if ours:
         return " < ".join(reversed(ours[-2:]))
     return stack[-1]["name"] if stack else "(no python frame)"
+
+
+def launch_sites(events: list[dict], main_tid: tuple, steps: int) -> list[tuple[str, float]]:
+    """CUDA runtime and driver calls per step (the launch load the profiler traces, see
+    benchmarks/cupti_overhead.py), by host thread and the innermost freescale frame of
+    that thread at the call (`label`), most first."""
+    calls: dict[int, list[dict]] = defaultdict(list)
+    frames: dict[int, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("pid") != main_tid[0]:
+            continue
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            calls[e["tid"]].append(e)
+        elif e.get("cat") == "python_function":
+            frames[e["tid"]].append(e)
+    out: dict[str, float] = defaultdict(float)
+    for tid, cs in calls.items():
+        tag = "main" if tid == main_tid[1] else f"tid {tid}"
+        for st in stacks_at(frames.get(tid, []), [e["ts"] for e in cs]):
+            out[f"{tag}: {label(st)}"] += 1.0 / steps
+    return sorted(out.items(), key=lambda kv: -kv[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     print("host-blocking CUDA runtime calls per thread (ms/step, calls/step):")
     for name, (ms, n) in sorted(blocked.items(), key=lambda kv: -kv[1][0])[: a.top]:
         print(f"  {ms:7.2f} ms/step {n / a.steps:5.1f}/step  {name}")
+    print("CUDA runtime / driver calls per step by thread and innermost freescale frame:")
+    for name, n in launch_sites(events, main_tid, a.steps)[: a.top]:
+        print(f"  {n:7.1f}/step  {name}")
     ranges: dict[str, float] = defaultdict(float)
     for e in on_main:
         if e.get("cat") == "user_annotation" and e["name"].startswith("freescale/"):
