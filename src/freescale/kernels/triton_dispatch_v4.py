@@ -33,8 +33,8 @@ among same-dest ids earlier in its tile) and changes how both parts are computed
   count, v3's sort + histogram ~20-25).
 * `_v4_scatter_kernel` is flat and fully parallel: position = [tile][dest] exclusive scan
   (`et`, one contiguous W-row per tile, loaded once per program and indexed with
-  `tl.gather`, i.e. through shared memory, up to W = 4096: `V4Config.et_gather`) + rank;
-  local row from the id.
+  `tl.gather`, i.e. through shared memory; by default up to W = 1024, on request up to
+  4096: `V4Config.et_gather`) + rank; local row from the id.
   A tile's scatter blocks are adjacent in launch order (`V4Config.scatter_order`), so
   the short per-dest runs a tile writes are completed while their sectors sit in L2.
 * Same-dest lanes of a chunk come from PTX ``match.any.sync`` on CUDA
