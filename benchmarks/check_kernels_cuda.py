@@ -22,6 +22,7 @@ from freescale.kernels import (
     ranged_dispatch,
     triton_impl,
 )
+from freescale.kernels.ops import gather_blocks
 from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
 
@@ -104,6 +105,20 @@ def main() -> int:
             c = indexed_permute(permute, l2, vals, backend="triton")
             if not all(torch.equal(x, y) for x, y in zip(a[:2], c[:2])):
                 print(f"MISMATCH indexed_permute w={w} {dt}")
+                bad += 1
+            # block gather with host offsets (prioritized's mask exchange), bytes
+            raw = vals.view(torch.uint8)
+            st = torch.randint(0, raw.numel(), (w,), device="cuda", generator=g)
+            sz = ((raw.numel() - st) * torch.rand(w, device="cuda", generator=g)).long()
+            total = int(sz.sum())
+            offs = torch.cat([sz.new_zeros(1), sz.cumsum(0)])
+            gb = [
+                gather_blocks(raw, st, sz, total, out_offsets=o, backend=be)
+                for be in ("reference", "triton")
+                for o in (None, offs)
+            ]
+            if not all(torch.equal(gb[0], x) for x in gb[1:]):
+                print(f"MISMATCH gather_blocks w={w} {dt}")
                 bad += 1
             if w > 1 and w <= 64:
                 lw = torch.randint(0, 9, (w, k, 5), device="cuda", generator=g).to(dt)

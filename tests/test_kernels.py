@@ -364,6 +364,32 @@ def test_permute_backends_match_reference(gen, backend):
             assert (e is None and a is None) or (e.dtype == a.dtype and torch.equal(e, a)), i
 
 
+@pytest.mark.parametrize("backend", ["reference", "vectorized", "triton"])
+def test_gather_blocks_with_host_offsets(gen, backend):
+    """`ops.gather_blocks` (prioritized's mask exchange on CUDA: one launch with the output
+    offsets computed on the host) against the loop it stands for, on random blocks
+    (empty ones, overlapping and out-of-order starts, uint8 / int64 / float x), with and
+    without the offsets."""
+    from freescale.kernels.ops import gather_blocks
+
+    if backend == "triton" and not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
+        pytest.skip("triton interpreter unavailable")
+    for i, dtype in enumerate((torch.uint8, torch.int64, torch.float32) * 2):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        x = (torch.rand(n, generator=gen) * 200).to(dtype)
+        k = int(torch.randint(1, 12, (1,), generator=gen))
+        starts = torch.randint(0, n, (k,), generator=gen)
+        sizes = (torch.rand(k, generator=gen) * (n - starts)).long()
+        sizes[torch.rand(k, generator=gen) < 0.25] = 0
+        expected = torch.cat([x[a : a + b] for a, b in zip(starts.tolist(), sizes.tolist())])
+        offsets = reference.exclusive_cumsum(sizes) if i % 2 else None
+        got = gather_blocks(x, starts, sizes, int(sizes.sum()), out_offsets=offsets,
+                            backend=backend)  # fmt: skip
+        assert got.dtype == dtype and torch.equal(got, expected), (i, backend)
+    with pytest.raises(ValueError, match="1-D"):
+        gather_blocks(torch.zeros(2, 2), torch.zeros(1).long(), torch.ones(1).long(), 1)
+
+
 # ----------------------------------------------------------------- keyed transpose
 
 

@@ -118,7 +118,7 @@ import torch.distributed as dist
 from ..comm.base import Awaitable, Communicator, device_wait
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
-from ..kernels.reference import gather_blocks
+from ..kernels.ops import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
 from .reduce import PendingRowGroups, group_rows_start, mask_positions
 from .sdd import SddEmbeddingCollection
@@ -329,10 +329,17 @@ def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    # one non-blocking host-to-device copy (a blocking one synchronises the stream)
-    both = torch.tensor([list(starts), list(sizes)], dtype=torch.int64)
-    both = both.to(x.device, non_blocking=True)
-    return gather_blocks(x, both[0], both[1], int(sum(sizes)))
+    """``x[starts[j] : starts[j] + sizes[j]]`` concatenated over j (1-D ``x``; host lists):
+    starts, sizes and the output offsets in one non-blocking host-to-device copy (a
+    blocking one synchronises the stream), then one gather (`ops.gather_blocks`: a
+    single Triton launch on CUDA)."""
+    offsets = _offsets(sizes)
+    total = offsets[-1] + int(sizes[-1]) if sizes else 0
+    rows = torch.tensor([[*starts, 0], [*sizes, 0], [*offsets, total]], dtype=torch.int64).to(
+        x.device, non_blocking=True
+    )
+    n = len(sizes)
+    return gather_blocks(x, rows[0, :n], rows[1, :n], total, out_offsets=rows[2])
 
 
 def _offsets(splits: Sequence[int]) -> list[int]:
@@ -914,19 +921,21 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         in_splits = [a + b + _TRAILER_BYTES for a, b in zip(dist_t.recv_splits, dn.recv_splits)]
         y = self.comm.all_to_all_v(payload, in_splits, out_splits, name="collision_masks").wait()
         oy = _offsets(out_splits)
-        reap_y = _blocks(
-            y, [oy[d] for d in range(w)], [dist_t.send_splits[d] for d in range(w)]
-        ).bool()
-        coll_y = _blocks(
+        # one gather for the three parts: [trailers | reappear masks | collision masks],
+        # each in dest order, then slices of it (trailers first: their int64 view needs
+        # the allocation's alignment)
+        a, b = dist_t.send_splits, dn.send_splits
+        parts = _blocks(
             y,
-            [oy[d] + dist_t.send_splits[d] for d in range(w)],
-            [dn.send_splits[d] for d in range(w)],
-        ).bool()
-        tr = _blocks(
-            y,
-            [oy[d] + dist_t.send_splits[d] + dn.send_splits[d] for d in range(w)],
-            [_TRAILER_BYTES] * w,
+            [oy[d] + a[d] + b[d] for d in range(w)]
+            + [oy[d] for d in range(w)]
+            + [oy[d] + a[d] for d in range(w)],
+            [_TRAILER_BYTES] * w + list(a) + list(b),
         )
+        nt_, na = _TRAILER_BYTES * w, int(sum(a))
+        tr = parts[:nt_]
+        reap_y = parts[nt_ : nt_ + na].bool()
+        coll_y = parts[nt_ + na :].bool()
         both = torch.cat([tr.view(torch.int64), c])  # [w * _TRAILER received | 2w + 2 own]
         p.masks_y = (coll_y, reap_y)
         if self._side_stream is not None:

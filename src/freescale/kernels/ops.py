@@ -1,10 +1,10 @@
 """Dispatcher for the jagged index ops: picks a backend per call and nothing else.
 
 Owns: the public signatures of `ranged_dispatch`, `ranged_combine`,
-`ranged_combine_backward`, `indexed_permute` and `keyed_transpose`, backend resolution
-(argument > ``$FREESCALE_KERNEL_BACKEND`` > device default: Triton on CUDA, reference on
-CPU) and the autograd wiring of `ranged_combine`. Semantics live in `reference.py`;
-triton is imported lazily, only when the Triton backend is chosen.
+`ranged_combine_backward`, `indexed_permute`, `keyed_transpose` and `gather_blocks`,
+backend resolution (argument > ``$FREESCALE_KERNEL_BACKEND`` > device default: Triton on
+CUDA, reference on CPU) and the autograd wiring of `ranged_combine`. Semantics live in
+`reference.py`; triton is imported lazily, only when the Triton backend is chosen.
 """
 
 from __future__ import annotations
@@ -128,6 +128,32 @@ def ranged_combine_backward(
     """Batch-major gradients -> shard-major: ``out[perm[i]] = grad[i]`` (no accumulation)."""
     impl = _backend_module(backend, grad.device)
     return impl.ranged_combine_backward(grad, unbucketize_permute)
+
+
+def gather_blocks(
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    sizes: torch.Tensor,
+    out_size: int,
+    *,
+    out_offsets: Optional[torch.Tensor] = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Concatenate the blocks ``x[starts[j] : starts[j] + sizes[j]]`` of a 1-D ``x``
+    (`reference.gather_blocks`). ``out_size`` = ``sizes.sum()`` and ``out_offsets`` =
+    its exclusive scan (optional) come from the caller, so nothing syncs; with both,
+    the Triton backend is one launch."""
+    if x.dim() != 1:
+        raise ValueError(f"gather_blocks takes a 1-D tensor, got shape {tuple(x.shape)}")
+    impl = triton_impl_or_reference(backend, x.device)
+    return impl.gather_blocks(x, starts, sizes, out_size, out_offsets)
+
+
+def triton_impl_or_reference(backend: Backend, device: torch.device) -> ModuleType:
+    """The module with the Triton kernels when ``backend`` resolves to Triton, else the
+    reference (for ops the vectorised backend does not implement itself)."""
+    impl = _backend_module(backend, device)
+    return reference if impl is vectorized else impl
 
 
 def indexed_permute(

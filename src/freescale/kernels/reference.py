@@ -148,13 +148,20 @@ def ranged_combine_backward(grad: torch.Tensor, unbucketize_permute: torch.Tenso
 
 
 def gather_blocks(
-    x: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor, out_size: int
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    sizes: torch.Tensor,
+    out_size: int,
+    out_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Concatenate the contiguous blocks ``x[starts[j] : starts[j] + sizes[j]]`` over j.
 
-    `out_size` must equal ``sizes.sum()`` (passed so that no device sync is needed).
+    `out_size` must equal ``sizes.sum()`` (passed so that no device sync is needed);
+    `out_offsets`, if given, must be ``exclusive_cumsum(sizes)`` (a caller that has the
+    sizes on the host saves the scan).
     """
-    out_offsets = exclusive_cumsum(sizes)
+    if out_offsets is None:
+        out_offsets = exclusive_cumsum(sizes)
     shift = torch.repeat_interleave(
         starts.to(torch.int64) - out_offsets[:-1], sizes.to(torch.int64), output_size=out_size
     )

@@ -825,17 +825,25 @@ def _gather_blocks_kernel(
 
 
 def gather_blocks(
-    x: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor, out_size: int
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    sizes: torch.Tensor,
+    out_size: int,
+    out_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Triton `reference.gather_blocks`: concatenate ``x[starts[j] : starts[j] + sizes[j]]``."""
+    """Triton `reference.gather_blocks`: concatenate ``x[starts[j] : starts[j] + sizes[j]]``
+    (1-D ``x``); ``out_offsets`` as there (given: one launch in all)."""
     out = torch.empty(out_size, dtype=x.dtype, device=x.device)
     if out_size == 0:
         return out
     n_blocks = sizes.numel()
+    if out_offsets is None:
+        out_offsets = exclusive_cumsum(sizes)
     block = 1024
     _gather_blocks_kernel[(triton.cdiv(out_size, block),)](
-        x.contiguous(), out, starts.to(torch.int64).contiguous(), exclusive_cumsum(sizes),
-        n_blocks, out_size, N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
+        x.contiguous(), out, starts.to(torch.int64).contiguous(),
+        out_offsets.to(torch.int64).contiguous(), n_blocks, out_size,
+        N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return out
 
