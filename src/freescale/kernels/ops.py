@@ -145,11 +145,11 @@ def gather_blocks(
     the Triton backend is one launch."""
     if x.dim() != 1:
         raise ValueError(f"gather_blocks takes a 1-D tensor, got shape {tuple(x.shape)}")
-    impl = triton_impl_or_reference(backend, x.device)
+    impl = _triton_or_reference(backend, x.device)
     return impl.gather_blocks(x, starts, sizes, out_size, out_offsets)
 
 
-def triton_impl_or_reference(backend: Backend, device: torch.device) -> ModuleType:
+def _triton_or_reference(backend: Backend, device: torch.device) -> ModuleType:
     """The module with the Triton kernels when ``backend`` resolves to Triton, else the
     reference (for ops the vectorised backend does not implement itself)."""
     impl = _backend_module(backend, device)
