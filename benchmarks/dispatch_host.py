@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from freescale.kernels import ops, reference
 
@@ -96,6 +98,11 @@ def _launches(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+@triton.jit
+def _empty_kernel(a, b, c, d, e, f, g, h, n, m, BLOCK: tl.constexpr):
+    pass
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -113,13 +120,6 @@ def _versions():
 
 def _parts(device: torch.device, calls: int) -> dict[str, float]:
     """Host microseconds of the pieces a dispatch call is made of."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _empty_kernel(a, b, c, d, e, f, g, h, n, m, BLOCK: tl.constexpr):
-        pass
-
     bufs = [torch.empty(16, dtype=torch.int64, device=device) for _ in range(8)]
     small = torch.ones(4096, dtype=torch.int32, device=device)
 
