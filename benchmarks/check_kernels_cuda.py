@@ -20,10 +20,25 @@ from freescale.kernels import (
     ranged_combine,
     ranged_combine_backward,
     ranged_dispatch,
+    triton_dispatch_v4,
     triton_impl,
 )
 from freescale.kernels.ops import gather_blocks
 from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
+
+
+def _v4_tables(args, mode: str, table_block: int, fused_max: int):
+    """v4 with 256-id tiles and the segment offsets + tile table either as one launch
+    looping over ``table_block``-tile blocks or as two launches (``fused_max`` = 0)."""
+    saved = triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES
+    triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES = (
+        table_block,
+        fused_max,
+    )
+    try:
+        return ranged_dispatch_v4(*args, mode=mode, tile=256, scatter_block=64)
+    finally:
+        triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES = saved
 
 
 def main() -> int:
@@ -76,6 +91,10 @@ def main() -> int:
                     "triton_v4_et_row": ranged_dispatch_v4(
                         *args, mode=mode, et_gather="row", tile=256, scatter_block=64
                     ),
+                    # segment offsets + tile table: one launch over several table
+                    # blocks, and two launches (what calls past FUSED_TABLES_MAX_TILES run)
+                    "triton_v4_tables_looped": _v4_tables(args, mode, 16, 1 << 30),
+                    "triton_v4_tables_two": _v4_tables(args, mode, 1024, 0),
                 }
                 for name, got in variants.items():
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):

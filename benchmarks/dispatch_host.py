@@ -23,9 +23,7 @@ Every version's output is compared bitwise with the reference before it is timed
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -39,47 +37,10 @@ from freescale.kernels import ops, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _figure import figure_header, write_figure  # noqa: E402
-from kernels import _git_sha, block_sizes_for, make_workload  # noqa: E402
+from kernels import _git_sha, block_sizes_for, device_us, enqueue_us, make_workload  # noqa: E402
 
 WORLDS = [8, 32, 128, 512, 1024]
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
-
-
-def _host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Median over 5 loops of the host time per call of ``calls`` calls with no sync."""
-    out = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-        _sync(device)
-    return statistics.median(out)
-
-
-def _gpu_us(fn: Callable[[], object], calls: int, host_us: float) -> tuple[float, bool]:
-    """Device time per call: the GPU sleeps while the host enqueues ``calls`` calls, then
-    runs them back to back between two events. Also whether the sleep outlasted the
-    enqueueing (if not, the figure is an upper bound)."""
-    enqueue_s = calls * host_us * 1e-6
-    cycles = int(max(enqueue_s * 3, 0.02) * 2.0e9)  # > 3x the enqueue time at <= 2 GHz
-    samples = []
-    covered = True
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        sleep_done = torch.cuda.Event()
-        torch.cuda._sleep(cycles)
-        sleep_done.record()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        covered &= not sleep_done.query()  # still sleeping when everything was enqueued
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / calls * 1e3)
-    return statistics.median(samples), covered
 
 
 def _bench_us(fn: Callable[[], object]) -> float:
@@ -103,11 +64,6 @@ def _empty_kernel(a, b, c, d, e, f, g, h, n, m, BLOCK: tl.constexpr):
     pass
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _versions():
     from freescale.kernels import triton_dispatch_v4, triton_impl
 
@@ -128,11 +84,11 @@ def _parts(device: torch.device, calls: int) -> dict[str, float]:
 
     launch()
     return {
-        "triton_launch_10_args_us": _host_us(launch, calls, device),
-        "torch_empty_us": _host_us(
+        "triton_launch_10_args_us": enqueue_us(launch, calls, device),
+        "torch_empty_us": enqueue_us(
             lambda: torch.empty(1024, dtype=torch.int32, device=device), calls, device
         ),
-        "torch_cumsum_4096_us": _host_us(
+        "torch_cumsum_4096_us": enqueue_us(
             lambda: torch.cumsum(small, 0, dtype=torch.int32), calls, device
         ),
     }
@@ -162,9 +118,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if not torch.equal(getattr(ref, field).cpu(), getattr(got, field).cpu()):
                     raise SystemExit(f"MISMATCH {name} W={world}: {field} differs")
             row = {"world_size": world, "version": name, "n_ids": wl["n"]}
-            row["host_us"] = _host_us(fn, calls, device)
+            row["host_us"] = enqueue_us(fn, calls, device)
             if cuda:
-                row["gpu_us"], row["sleep_covered"] = _gpu_us(fn, calls, row["host_us"])
+                row["gpu_us"], row["sleep_covered"] = device_us(fn, calls, row["host_us"])
                 row["bench_us"] = _bench_us(fn)
                 row["launches"] = _launches(fn)
                 row["host_over_gpu"] = row["host_us"] / row["gpu_us"]

@@ -12,7 +12,9 @@ Ops: ranged_dispatch (Triton: "triton" is the sort-free kernel v2, "triton_v1" t
 tile-sort kernel, "triton_v3" the tile sort with the dest-major scan, "triton_v4" the
 large-tile kernel of `triton_dispatch_v4.py` (checked bitwise against v3 as well as the
 reference before it is timed), "triton_auto" what `kernels.ranged_dispatch` runs for that
-many ids (v3 below `ops.V4_MIN_IDS`, v4 from there; the row's `auto_version`); plus
+many ids (v4 from `ops.V4_MIN_IDS` = 1 id, v3 for W > 32767; the row's `auto_version`,
+and for one rank's batch its host enqueue and device time apart, `*_host_ms` and
+`*_device_ms`, next to v3's: that call is bound by the host's work); plus
 crossover rows, v3 and v4 over 2^20..2^25 ids), ranged_combine (+ backward,
 D=128 bf16 rows), keyed_transpose of the dispatch output ([W][K][B] -> [K][W][B]) and
 indexed_permute (a sample shuffle; its cost does not depend on W, so it is timed once per
@@ -170,6 +172,43 @@ def time_capped(
     return statistics.median(samples), len(samples)
 
 
+def enqueue_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Median over 5 loops of the host time per call of ``calls`` calls with no sync."""
+    out = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        _sync(device)
+    return statistics.median(out)
+
+
+def device_us(fn: Callable[[], object], calls: int, host_us: float) -> tuple[float, bool]:
+    """Device time per call: the GPU sleeps while the host enqueues ``calls`` calls, then
+    runs them back to back between two events. Also whether the sleep outlasted the
+    enqueueing (if not, the figure is an upper bound)."""
+    enqueue_s = calls * host_us * 1e-6
+    cycles = int(max(enqueue_s * 3, 0.02) * 2.0e9)  # > 3x the enqueue time at <= 2 GHz
+    samples = []
+    covered = True
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep_done = torch.cuda.Event()
+        torch.cuda._sleep(cycles)
+        sleep_done.record()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        covered &= not sleep_done.query()  # still sleeping when everything was enqueued
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / calls * 1e3)
+    return statistics.median(samples), covered
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -269,6 +308,17 @@ class Runner:
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
         print(json.dumps(shown), flush=True)
 
+    def host_and_device(self, row: dict, fns: dict, names: tuple[str, ...]) -> None:
+        """Split a call's time into the host's enqueue work (``<name>_host_ms``) and the
+        device's (``<name>_device_ms``, with the GPU held while the host enqueues; see
+        `device_us`): one rank's batch is small enough for the first to dominate."""
+        for name in names:
+            host = enqueue_us(fns[name], 50, self.device)
+            dev, covered = device_us(fns[name], 50, host)
+            row[f"{name}_host_ms"], row[f"{name}_device_ms"] = host / 1e3, dev / 1e3
+            row[f"{name}_device_covered"] = covered
+        print({k: v for k, v in row.items() if k.endswith(("_host_ms", "_device_ms"))})
+
     def bench_op(
         self,
         wl: dict,
@@ -334,7 +384,7 @@ class Runner:
                 )
                 fns["triton_v4"] = partial(self.v4.ranged_dispatch_v4, *args)
                 # what `kernels.ranged_dispatch` (training's call) runs on CUDA for this
-                # many ids: v3 below ops.V4_MIN_IDS, v4 from there
+                # many ids and W: v4 from ops.V4_MIN_IDS (1) ids where W <= 32767, else v3
                 fns["triton_auto"] = partial(ops.ranged_dispatch, *args, backend="triton")
                 for name, knobs in V4_PINNED.items():
                     fns[name] = partial(self.v4.ranged_dispatch_v4, *args, **knobs)
@@ -342,6 +392,8 @@ class Runner:
             ref = self.bench_op(wl, "ranged_dispatch", world, fns, floor)
             if tri:  # the kernel triton_auto ran (FREESCALE_TRITON_DISPATCH can force one)
                 self.rows[-1]["auto_version"] = ops.triton_dispatch_version(n, world)
+            if tri and self.device.type == "cuda" and wl["name"] == "per_rank":
+                self.host_and_device(self.rows[-1], fns, ("triton_auto", "triton_v3"))
 
             # Embedding rows come back shard-major; combine puts them batch-major.
             perm, splits = ref.unbucketize_permute, ref.splits.tolist()
@@ -516,8 +568,9 @@ def _headline(rows: list[dict]) -> dict:
             }
         )
         kernel = (
-            f"auto (what kernels.ranged_dispatch runs on CUDA: v3 below {ops.V4_MIN_IDS} "
-            f"ids per call, v4 from there; here {', '.join(used) or 'not recorded'})"
+            f"auto (what kernels.ranged_dispatch runs on CUDA: v4 from {ops.V4_MIN_IDS} "
+            f"id(s) per call, v3 below and for W > {ops.V4_MAX_WORLD}; here "
+            f"{', '.join(used) or 'not recorded'})"
         )
     elif "triton_v3_ms" in have:  # v3 trained on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")

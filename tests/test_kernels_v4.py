@@ -171,6 +171,56 @@ def test_v4_ids_fit_one_tile_or_many(gen):
         _check(args, context=case.describe(), tile=tile)
 
 
+class _Counted:
+    """A Triton kernel whose launches are counted (``kernel[grid](...)`` passes through)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("table_block, fused_max", [(16, 1 << 30), (16, 0), (1024, 0)])
+def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max):
+    """The segment offsets and the tile table as one single-program launch (looping over
+    several table blocks when ``TABLE_BLOCK`` is small) or as two launches (the path past
+    `FUSED_TABLES_MAX_TILES` tiles): the reference's bits either way, and the launches
+    are the ones chosen."""
+    v4 = _v4()
+    monkeypatch.setattr(v4, "TABLE_BLOCK", table_block)
+    monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", fused_max)
+    kernels = {
+        name: _Counted(getattr(v4, name))
+        for name in ("_v4_tables_kernel", "_v4_segment_kernel", "_v4_tile_table_kernel")
+    }
+    for name, counted in kernels.items():
+        monkeypatch.setattr(v4, name, counted)
+    calls = 0
+    for world, tile in ((8, 16), (300, 16), (3, 64)):
+        case = random_dispatch_case(gen, world, max_batch=9, max_len=120, with_weights=True)
+        args = (case.values, case.lengths, case.block_sizes, world)
+        for lengths_mode in LENGTHS_MODES:
+            _check(args, "block", case.weights, case.describe(), tile=tile,
+                   lengths_mode=lengths_mode)  # fmt: skip
+            calls += case.values.numel() > 0
+    fused = kernels["_v4_tables_kernel"].launches
+    assert fused == (calls if fused_max else 0)
+    assert kernels["_v4_segment_kernel"].launches == calls - fused
+    assert kernels["_v4_tile_table_kernel"].launches == calls - fused
+
+
+def test_v4_carve_aligned_views():
+    """Scratch views of one allocation: at least the asked sizes, 16-byte aligned starts."""
+    v4 = _v4()
+    for dtype in (torch.int32, torch.int64):
+        views = v4._carve(dtype, torch.device("cpu"), 1, 0, 5, 3, 17)
+        assert [v.numel() >= s for v, s in zip(views, (1, 0, 5, 3, 17))] == [True] * 5
+        assert all(v.dtype == dtype and v.data_ptr() % 16 == 0 for v in views)
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+
+
 def test_v4_empty_inputs():
     v4 = _v4()
     for lengths, blocks in (([0, 0, 0, 0], [3, 4]), ([], [5]), ([], [])):

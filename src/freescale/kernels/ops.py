@@ -20,13 +20,13 @@ from freescale.kernels.common import Backend, DispatchMode, DispatchResult, reso
 
 DISPATCH_ENV_VAR = "FREESCALE_TRITON_DISPATCH"
 DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
-# "auto" (the default) dispatches with v4 from this many ids per call, v3 below. On an H200
-# (benchmarks/results/kernels.json at 87e7306, "ranged_dispatch_crossover" rows) v4 took
-# 1.30x / 1.83x less time than v3 at 2^21 ids (W = 8 / 1024), 2.0-2.9x at 2^25, and
-# 0.87x / 1.10x at 2^20, where both are launch-bound (one rank's ~1M-id batch: v3).
-# That run used 2^22 here; the switch moved to 2^21 after it (same choice at its
-# headline sizes: 1M and 2^26 ids).
-V4_MIN_IDS = 1 << 21
+# "auto" (the default) dispatches with v4 from this many ids per call, v3 below: from the
+# first id. Session 18 switched at 2^21 ids (v4 1.30x / 1.83x faster than v3 at 2^21,
+# W = 8 / 1024, kernels.json at 87e7306), keeping v3 for one rank's ~1M ids, where
+# do_bench timed both near 1:1; those times were the host's enqueue work. Device time
+# alone (benchmarks/results/dispatch_host.json, GPU held while the host enqueues): v4
+# took 0.36-0.50x v3's time at ~1M ids for W = 8..1024, with the same 7 launches.
+V4_MIN_IDS = 1
 V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
 
 
@@ -84,8 +84,7 @@ def ranged_dispatch(
         )
     if impl.__name__.endswith("triton_impl") and version in ("v1", "v3"):
         # v3: v1's tile sort with the dest-major count scan (checked bitwise and timed on
-        # an H200, 1.3-4.6x faster than v1); below V4_MIN_IDS ids (one rank's batch in
-        # the e2e workload) what training runs
+        # an H200, 1.3-4.6x faster than v1); what "auto" runs where v4 cannot (W > 32767)
         return impl.ranged_dispatch_v1(
             values, lengths, block_sizes, world_size, mode=mode, weights=weights,
             dest_major=version == "v3",

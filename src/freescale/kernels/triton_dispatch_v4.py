@@ -4,7 +4,7 @@ Owns: `ranged_dispatch_v4`, its kernels and its tuning defaults (`default_config
 Same semantics and bits as `reference.ranged_dispatch` (tested in the interpreter and,
 compiled, on an H200 by `benchmarks/check_kernels_cuda.py`), same call as v3
 (`triton_impl.ranged_dispatch_v1(dest_major=True)`) plus keyword tuning knobs.
-`ops.ranged_dispatch` runs it on CUDA from `ops.V4_MIN_IDS` ids per call.
+`ops.ranged_dispatch` runs it on CUDA (from `ops.V4_MIN_IDS` = 1 id per call).
 
 Measured (H200, 2^26 ids, git a2674e6; BENCHMARKS.md "kernels"): 0.91 ms at W=8, 3.09
 ms at W=1024 (0.41 / 0.143 of the HBM floor). Nsight Compute puts the W=1024 rank kernel
@@ -53,8 +53,9 @@ segment ends and stores each owned segment's lengths[:, s] directly (W stores S 
 apart); a segment running past its tile leaves partial counts (`tail` in its first tile,
 `head` in its last) that `_v4_finish_kernel` completes from the scan.
 
-Launches (six, like v3): segment / key-tile offsets (one program); tile table (binary
-searches); rank; `torch.cumsum` of the [dest][tile] counts; finish; scatter. Deterministic:
+Launches (six, like v3; five up to `FUSED_TABLES_MAX_TILES` tiles, where the first two
+are one single-program launch): segment / key-tile offsets (one program); tile table
+(binary searches); rank; `torch.cumsum` of the [dest][tile] counts; finish; scatter. Deterministic:
 no atomics, one writer per output element, per-tile state updated in a fixed order. No
 host-device sync (sizes come from shapes). World size is a compile-time constant (cheap
 divisions; one compiled variant per W). On CPU tensors this module needs
@@ -132,6 +133,12 @@ PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
+TABLE_BLOCK = 1024  # tiles per block of the tile table
+# Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles) the segment offsets and the
+# tile table are one single-program launch (`_v4_tables_kernel`), saving a launch where
+# the host's per-call work is what a call costs (benchmarks/results/dispatch_host.json);
+# beyond it the table runs on many programs. Same results either way (tests force both).
+FUSED_TABLES_MAX_TILES = TABLE_BLOCK
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,17 +266,11 @@ def _rank_piece(
 # ---------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_segments", "num_keys", "batch"])
-def _v4_segment_kernel(
-    lengths_ptr,
-    seg_offsets_ptr,
-    key_tile_first_ptr,
-    num_segments,
-    num_keys,
-    batch,
-    TILE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+@triton.jit
+def _segment_offsets(
+    lengths_ptr, seg_offsets_ptr, key_tile_first_ptr, num_segments, num_keys, batch,
+    TILE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """One program. seg_offsets (S + 1,) = [0, cumsum(lengths)]; key_tile_first (K + 1,) =
     [0, cumsum(max(1, ceil(ids of key k / TILE)))]: key k owns tiles
     [key_tile_first[k], key_tile_first[k + 1]) (an empty key one empty tile, which owns
@@ -300,28 +301,17 @@ def _v4_segment_kernel(
         first += BLOCK
 
 
-@triton.jit(do_not_specialize=["num_tiles", "num_keys", "batch"])
-def _v4_tile_table_kernel(
-    seg_offsets_ptr,
-    key_tile_first_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    tile_seg_lo_ptr,
-    tile_seg_hi_ptr,
-    num_tiles,
-    num_keys,
-    batch,
-    TILE: tl.constexpr,
-    KEY_ITERS: tl.constexpr,
-    SEG_ITERS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Tile t -> key, ids [start, end) (TILE ids of one key, the key's last tile shorter)
-    and the segments it owns, [seg_lo, seg_hi): those starting in [start, end), plus, in
-    the key's last tile, the empty segments at the key's end. Spare tiles past the last
-    one are empty (start = end = 0, no segments)."""
-    t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+@triton.jit
+def _tile_table_block(
+    t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr, tile_end_ptr,
+    tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch, TILE: tl.constexpr,
+    KEY_ITERS: tl.constexpr, SEG_ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The tile table entries of the tiles ``t`` (a [BLOCK] int64 vector): tile t -> key,
+    ids [start, end) (TILE ids of one key, the key's last tile shorter) and the segments
+    it owns, [seg_lo, seg_hi): those starting in [start, end), plus, in the key's last
+    tile, the empty segments at the key's end. Spare tiles past the last one are empty
+    (start = end = 0, no segments)."""
     in_grid = t < num_tiles
     # key = last k in [0, K] with key_tile_first[k] <= t
     lo = tl.zeros([BLOCK], dtype=tl.int32)
@@ -365,6 +355,83 @@ def _v4_tile_table_kernel(
     tl.store(tile_end_ptr + t, tl.where(used, end, zero), mask=in_grid)
     tl.store(tile_seg_lo_ptr + t, tl.where(used, lo_a, zero), mask=in_grid)
     tl.store(tile_seg_hi_ptr + t, tl.where(used, seg_hi, zero), mask=in_grid)
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_keys", "batch"])
+def _v4_segment_kernel(
+    lengths_ptr,
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    num_segments,
+    num_keys,
+    batch,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: `_segment_offsets`."""
+    _segment_offsets(lengths_ptr, seg_offsets_ptr, key_tile_first_ptr, num_segments, num_keys,
+                     batch, TILE, BLOCK)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_keys", "batch"])
+def _v4_tile_table_kernel(
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    num_tiles,
+    num_keys,
+    batch,
+    TILE: tl.constexpr,
+    KEY_ITERS: tl.constexpr,
+    SEG_ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program p: `_tile_table_block` of tiles [p * BLOCK, (p + 1) * BLOCK)."""
+    t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    _tile_table_block(t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr,
+                      tile_end_ptr, tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch,
+                      TILE, KEY_ITERS, SEG_ITERS, BLOCK)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_segments", "num_tiles", "num_keys", "batch"])
+def _v4_tables_kernel(
+    lengths_ptr,
+    seg_offsets_ptr,
+    key_tile_first_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    num_segments,
+    num_tiles,
+    num_keys,
+    batch,
+    TILE: tl.constexpr,
+    KEY_ITERS: tl.constexpr,
+    SEG_ITERS: tl.constexpr,
+    SEG_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program, one launch instead of two for a small call (one rank's batch): the
+    segment and key-tile offsets (`_segment_offsets`), then the tile table of every tile,
+    BLOCK tiles at a time (`_tile_table_block`), from the offsets just written."""
+    _segment_offsets(lengths_ptr, seg_offsets_ptr, key_tile_first_ptr, num_segments, num_keys,
+                     batch, TILE, SEG_BLOCK)  # fmt: skip
+    tl.debug_barrier()  # the offsets written above are read by every thread below
+    first = 0
+    while first < num_tiles:
+        t = (first + tl.arange(0, BLOCK)).to(tl.int64)
+        _tile_table_block(
+            t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr, tile_end_ptr,
+            tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch, TILE, KEY_ITERS,
+            SEG_ITERS, BLOCK,
+        )  # fmt: skip
+        first += BLOCK
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_segments"])
@@ -858,6 +925,15 @@ def _check(cfg: V4Config, world_size: int) -> None:
         raise ValueError(f"et_gather='row' supports world_size <= {ET_ROW_MAX_WORLD}")
 
 
+def _carve(dtype: torch.dtype, device: torch.device, *sizes: int) -> list[torch.Tensor]:
+    """Views of one new allocation, at least ``sizes`` elements each (padded so every view
+    starts 16-byte aligned, as Triton specializes pointers on 16-byte alignment): scratch
+    buffers in one allocator call instead of one each."""
+    per = max(1, 16 // dtype.itemsize)
+    padded = [-(-size // per) * per for size in sizes]
+    return list(torch.empty(sum(padded), dtype=dtype, device=device).split(padded))
+
+
 def _use_match(cfg: V4Config, device: torch.device) -> bool:
     """Whether the rank kernel finds same-dest lanes with ``match.any`` (`V4Config.peers`):
     compiled for an NVIDIA GPU (not ROCm, not Triton's interpreter, which runs no inline
@@ -922,63 +998,76 @@ def ranged_dispatch_v4(
     modulo = mode == "modulo"
     wp = max(2, triton.next_power_of_2(world_size))
 
-    # 1. segment offsets and the first tile of every key (one program)
-    seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
-    key_tile_first = torch.empty(num_keys + 1, dtype=torch.int64, device=dev)
-    block = min(2048, max(128, triton.next_power_of_2(max(nseg, num_keys))))
-    _v4_segment_kernel[(1,)](
-        lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=cfg.tile,
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
-
-    # 2. tile table. Key k has max(1, ceil(n_k / tile)) <= n_k // tile + 1 tiles, so
-    # n // tile + K bounds the tiles used without a sync; spare tiles stay empty.
+    # Scratch: one int64 and one int32 allocation carved into 16-byte aligned views (one
+    # rank's batch is bound by the host's per-call work; an allocation costs ~7 us of it
+    # on the H200's host, benchmarks/results/dispatch_host.json). Key k has
+    # max(1, ceil(n_k / tile)) <= n_k // tile + 1 tiles, so n // tile + K bounds the
+    # tiles used without a sync; spare tiles stay empty.
     num_tiles = n // cfg.tile + num_keys
-    tile_key = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    tile_start, tile_end, tile_seg_lo, tile_seg_hi = (
-        torch.empty(num_tiles, dtype=torch.int64, device=dev) for _ in range(4)
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    tw = num_tiles * world_size
+    seg_offsets, key_tile_first, tile_start, tile_end, tile_seg_lo, tile_seg_hi = _carve(
+        torch.int64, dev, nseg + 1, num_keys + 1, *(num_tiles,) * 4
     )
+    rows_mode = cfg.lengths_mode == "rows"
+    per_seg = (nseg * world_size, nseg) if rows_mode else (tw, tw)  # snaps, seg_tile | head, tail
+    et_here = (tw,) if index_dtype == torch.int32 else ()
+    tile_key, rows, ranks, counts, seg_a, seg_b, *et = _carve(
+        torch.int32, dev, num_tiles, tw, n, tw, *per_seg, *et_here
+    )
+    counts = counts[:tw]  # scanned whole: no padding
+
+    # 1-2. segment offsets and the first tile of every key (one program), then the tile
+    # table (binary searches); one launch when one program covers every tile
+    block = min(2048, max(128, triton.next_power_of_2(max(nseg, num_keys))))
+    seg_warps = 8 if block >= 2048 else 4
     seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
-    _v4_tile_table_kernel[(triton.cdiv(num_tiles, 1024),)](
-        seg_offsets, key_tile_first, tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi,
-        num_tiles, num_keys, batch, TILE=cfg.tile, KEY_ITERS=(num_keys + 1).bit_length() + 1,
-        SEG_ITERS=seg_iters, BLOCK=1024, num_warps=4,
-    )  # fmt: skip
+    key_iters = (num_keys + 1).bit_length() + 1
+    table = (tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi)
+    if num_tiles <= FUSED_TABLES_MAX_TILES:
+        _v4_tables_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
+            TILE=cfg.tile, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
+            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
+        )  # fmt: skip
+    else:
+        _v4_segment_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=cfg.tile,
+            BLOCK=block, num_warps=seg_warps,
+        )  # fmt: skip
+        _v4_tile_table_kernel[(triton.cdiv(num_tiles, TABLE_BLOCK),)](
+            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=cfg.tile,
+            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
+        )  # fmt: skip
     tiles = (tile_key, tile_start, tile_end)
 
     # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, and per segment
     # either a [W] counter snapshot row ("rows") or its lengths ("columns")
-    rows = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
-    ranks = torch.empty(n, dtype=torch.int32, device=dev)
-    counts = torch.empty(world_size * num_tiles, dtype=torch.int32, device=dev)
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     rank_common = (values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows,
                    ranks, counts)  # fmt: skip
     rank_meta = {"WORLD": world_size, "MODULO": modulo, "CHUNK": cfg.chunk,
                  "WB": min(wp, 256), "MATCH": match, "num_warps": 1}  # fmt: skip
-    if cfg.lengths_mode == "rows":
-        snaps = torch.empty(nseg * world_size, dtype=torch.int32, device=dev)
-        seg_tile = torch.empty(nseg, dtype=torch.int32, device=dev)
+    if rows_mode:
+        snaps, seg_tile = seg_a, seg_b
         _v4_rank_rows_kernel[(num_tiles,)](*rank_common, snaps, seg_tile, num_tiles,
                                            **rank_meta)  # fmt: skip
     else:
-        head = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
-        tail = torch.empty(num_tiles * world_size, dtype=torch.int32, device=dev)
+        head, tail = seg_a, seg_b
         _v4_rank_kernel[(num_tiles,)](*rank_common, head, tail, new_lengths, num_tiles, nseg,
                                       **rank_meta)  # fmt: skip
 
     # 4. inclusive scan in [dest][tile] order; the exclusive value at (d, t), the output
     # position of tile t's first id of dest d, sits one entry earlier
-    index_dtype = torch.int32 if n < 2**31 else torch.int64
     scan = torch.cumsum(counts, 0, dtype=index_dtype)
 
     # 5. the scan as [tile][dest] rows, lengths ("rows") or segments crossing tiles
     # ("columns"), splits, key counts
-    et = torch.empty(num_tiles * world_size, dtype=index_dtype, device=dev)
+    et = et[0] if et else torch.empty(tw, dtype=index_dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
     key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
     block_d = 256
-    if cfg.lengths_mode == "rows":
+    if rows_mode:
         fb = cfg.finish_block
         bd = min(wp, fb)
         d_blocks = triton.cdiv(world_size, bd)
