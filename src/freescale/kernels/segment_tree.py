@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freescale.kernels.common import cdiv, next_power_of_2
 from freescale.kernels.reference import exclusive_cumsum
 
 __all__ = ["segment_tree_sum", "mask_positions_triton", "SUPPORTED_DTYPES"]
@@ -119,7 +120,7 @@ def segment_tree_sum(
     u = counts.numel()
     if u == 0:
         return values.new_zeros((0, *values.shape[1:]))
-    bd = min(128, triton.next_power_of_2(max(dim, 1)))
+    bd = min(128, next_power_of_2(max(dim, 1)))
     log_chunk = chunk.bit_length() - 1
     src, gather = flat, order.to(torch.int64).contiguous()
     starts, counts = starts.to(torch.int64), counts.to(torch.int64)
@@ -143,7 +144,7 @@ def segment_tree_sum(
         )
         chunk_seg = torch.cummax(chunk_seg[:grid], 0).values
         out = torch.empty(grid, dim, dtype=flat.dtype, device=flat.device)
-        _chunk_tree_kernel[(grid, triton.cdiv(dim, bd))](
+        _chunk_tree_kernel[(grid, cdiv(dim, bd))](
             src, gather, starts, counts, chunk_first, chunk_seg, out, res, u, dim,
             GATHER=first, IS64=flat.dtype == torch.float64, CHUNK=chunk, LOG_CHUNK=log_chunk, BD=bd,
         )  # fmt: skip
@@ -188,5 +189,5 @@ def mask_positions_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
     incl = torch.cumsum(mask, 0, dtype=torch.int64)
     block = 1024
     flags = mask.contiguous().view(torch.uint8)
-    _compact_kernel[(triton.cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
+    _compact_kernel[(cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
     return out

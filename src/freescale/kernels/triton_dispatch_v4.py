@@ -114,6 +114,7 @@ be the next step), so "rows" alone is not expected to reach ~0.9 ms at W = 1024.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -123,7 +124,7 @@ import triton
 import triton.language as tl
 
 from freescale.kernels import reference
-from freescale.kernels.common import DispatchResult, check_dispatch_inputs
+from freescale.kernels.common import DispatchResult, cdiv, check_dispatch_inputs, next_power_of_2
 
 MAX_WORLD = (1 << 15) - 1  # dest is stored in the high 16 bits of a non-negative int32
 MAX_TILE = 1 << 16  # the rank in tile in the low 16 bits
@@ -883,10 +884,19 @@ def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config
     the knob allows up to ET_ROW_MAX_WORLD), 2048-id programs only where a tile holds
     them. The interpreter follows the same et_gather rule.
     """
-    et_gather = "row" if world_size <= ET_ROW_DEFAULT_MAX_WORLD else "global"
-    if device.type == "cpu":
-        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16, et_gather=et_gather)
     tile = 1 << max(10, min(13, (max(n, 1) // 8192).bit_length() - 1))
+    if device.type == "cpu":
+        tile = 64
+    return _default_config(world_size, device.type, tile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(world_size: int, device_type: str, tile: int) -> V4Config:
+    """`default_config_v4` for a tile (n matters only through it); cached: made once per
+    world size and tile, not per call."""
+    et_gather = "row" if world_size <= ET_ROW_DEFAULT_MAX_WORLD else "global"
+    if device_type == "cpu":
+        return V4Config(tile=64, chunk=16, scatter_block=32, finish_block=16, et_gather=et_gather)
     block = 2048 if 128 <= world_size <= 512 and tile >= 2048 else 1024
     return V4Config(
         tile=tile,
@@ -931,7 +941,7 @@ def _carve(dtype: torch.dtype, device: torch.device, *sizes: int) -> list[torch.
     buffers in one allocator call instead of one each."""
     per = max(1, 16 // dtype.itemsize)
     padded = [-(-size // per) * per for size in sizes]
-    return list(torch.empty(sum(padded), dtype=dtype, device=device).split(padded))
+    return list(torch.empty(sum(padded), dtype=dtype, device=device).split_with_sizes(padded))
 
 
 def _use_match(cfg: V4Config, device: torch.device) -> bool:
@@ -977,26 +987,36 @@ def ranged_dispatch_v4(
             values, lengths, block_sizes, world_size, mode=mode, weights=weights
         )
     base = default_config_v4(world_size, dev, n)
-    cfg = V4Config(
-        tile=tile or base.tile,
-        chunk=chunk or base.chunk,
-        scatter_block=scatter_block or base.scatter_block,
-        # warps follow an explicitly given block size unless given too
-        scatter_warps=scatter_warps
-        or (default_scatter_warps(scatter_block) if scatter_block else base.scatter_warps),
-        lengths_mode=lengths_mode or base.lengths_mode,
-        finish_block=finish_block or base.finish_block,
-        scatter_order=scatter_order or base.scatter_order,
-        peers=peers or base.peers,
-        et_gather=et_gather or base.et_gather,
+    knobs = (tile, chunk, scatter_block, scatter_warps, lengths_mode, finish_block,
+             scatter_order, peers, et_gather)  # fmt: skip
+    cfg = (
+        base
+        if all(k is None for k in knobs)
+        else V4Config(
+            tile=tile or base.tile,
+            chunk=chunk or base.chunk,
+            scatter_block=scatter_block or base.scatter_block,
+            # warps follow an explicitly given block size unless given too
+            scatter_warps=scatter_warps
+            or (default_scatter_warps(scatter_block) if scatter_block else base.scatter_warps),
+            lengths_mode=lengths_mode or base.lengths_mode,
+            finish_block=finish_block or base.finish_block,
+            scatter_order=scatter_order or base.scatter_order,
+            peers=peers or base.peers,
+            et_gather=et_gather or base.et_gather,
+        )
     )
-    _check(cfg, world_size)
+    if cfg is base:
+        if world_size > MAX_WORLD:  # the one check defaults can fail
+            raise ValueError(f"ranged_dispatch_v4 supports world_size <= {MAX_WORLD}")
+    else:
+        _check(cfg, world_size)
     match = _use_match(cfg, dev)
     values, lengths = values.contiguous(), lengths.contiguous()
     block_sizes = block_sizes.contiguous()
     weights = None if weights is None else weights.contiguous()
     modulo = mode == "modulo"
-    wp = max(2, triton.next_power_of_2(world_size))
+    wp = max(2, next_power_of_2(world_size))
 
     # Scratch: one int64 and one int32 allocation carved into 16-byte aligned views (one
     # rank's batch is bound by the host's per-call work; an allocation costs ~7 us of it
@@ -1019,7 +1039,7 @@ def ranged_dispatch_v4(
 
     # 1-2. segment offsets and the first tile of every key (one program), then the tile
     # table (binary searches); one launch when one program covers every tile
-    block = min(2048, max(128, triton.next_power_of_2(max(nseg, num_keys))))
+    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
     seg_warps = 8 if block >= 2048 else 4
     seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
     key_iters = (num_keys + 1).bit_length() + 1
@@ -1035,7 +1055,7 @@ def ranged_dispatch_v4(
             lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=cfg.tile,
             BLOCK=block, num_warps=seg_warps,
         )  # fmt: skip
-        _v4_tile_table_kernel[(triton.cdiv(num_tiles, TABLE_BLOCK),)](
+        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
             seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=cfg.tile,
             KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
         )  # fmt: skip
@@ -1070,18 +1090,18 @@ def ranged_dispatch_v4(
     if rows_mode:
         fb = cfg.finish_block
         bd = min(wp, fb)
-        d_blocks = triton.cdiv(world_size, bd)
-        et_blocks = triton.cdiv(num_tiles, fb) * d_blocks
-        seg_blocks = triton.cdiv(nseg, fb)
+        d_blocks = cdiv(world_size, bd)
+        et_blocks = cdiv(num_tiles, fb) * d_blocks
+        seg_blocks = cdiv(nseg, fb)
         len_blocks = seg_blocks * d_blocks
-        grid = (et_blocks + len_blocks + triton.cdiv(world_size, block_d),)
+        grid = (et_blocks + len_blocks + cdiv(world_size, block_d),)
         _v4_finish_rows_kernel[grid](
             scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
             num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
             BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     else:
-        _v4_finish_kernel[(num_tiles + triton.cdiv(world_size, block_d),)](
+        _v4_finish_kernel[(num_tiles + cdiv(world_size, block_d),)](
             scan, seg_offsets, key_tile_first, tile_key, tile_end, tile_seg_lo, tile_seg_hi,
             head, tail, et, new_lengths, splits, key_counts, num_tiles, nseg, num_keys, batch,
             WORLD=world_size, TILE=cfg.tile, WB=min(wp, 1024), BLOCK_D=block_d, num_warps=4,
@@ -1091,7 +1111,7 @@ def ranged_dispatch_v4(
     out_values = torch.empty_like(values)
     out_weights = None if weights is None else torch.empty_like(weights)
     perm = torch.empty(n, dtype=torch.int64, device=dev)
-    blocks_per_tile = triton.cdiv(cfg.tile, cfg.scatter_block)
+    blocks_per_tile = cdiv(cfg.tile, cfg.scatter_block)
     _v4_scatter_kernel[(num_tiles * blocks_per_tile,)](
         values, values if weights is None else weights, block_sizes, *tiles, ranks, et,
         out_values, out_values if out_weights is None else out_weights, perm,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from freescale.kernels import reference
-from freescale.kernels.common import DispatchResult, check_dispatch_inputs
+from freescale.kernels.common import DispatchResult, cdiv, check_dispatch_inputs, next_power_of_2
 from freescale.kernels.reference import exclusive_cumsum
 
 # ---------------------------------------------------------------------------------------
@@ -361,7 +361,7 @@ def ranged_dispatch_v1(
     if nseg + 1 <= _SEGMENT_TABLE_MAX:
         seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
         tile_first = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
-        block = max(16, triton.next_power_of_2(nseg + 1))
+        block = max(16, next_power_of_2(nseg + 1))
         _segment_table_kernel[(1,)](
             lengths, seg_offsets, tile_first, nseg, TILE=tile, BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
@@ -374,7 +374,7 @@ def ranged_dispatch_v1(
     tile_seg = torch.empty(grid, dtype=torch.int32, device=dev)
     tile_start = torch.empty(grid, dtype=torch.int64, device=dev)
     tile_end = torch.empty(grid, dtype=torch.int64, device=dev)
-    _tile_table_kernel[(triton.cdiv(grid, 1024),)](
+    _tile_table_kernel[(cdiv(grid, 1024),)](
         seg_offsets, tile_first, tile_seg, tile_start, tile_end, nseg, grid,
         TILE=tile, SEARCH_ITERS=32, BLOCK=1024, num_warps=4,
     )  # fmt: skip
@@ -387,7 +387,7 @@ def ranged_dispatch_v1(
     counts = torch.empty(shape, dtype=torch.int32, device=dev)
     _dispatch_count_kernel[(grid,)](
         values, block_sizes, *tiles, counts, batch, world_size, grid,
-        WP=max(32, triton.next_power_of_2(world_size)), **common,
+        WP=max(32, next_power_of_2(world_size)), **common,
     )  # fmt: skip
 
     index_dtype = torch.int32 if n < 2**31 else torch.int64
@@ -419,10 +419,10 @@ def ranged_dispatch_v1(
     # Ids of segment s for owner d: the scan at s's first tile minus the one at s+1's.
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     key_counts = torch.empty(world_size, num_keys, dtype=torch.int64, device=dev)
-    _segment_lengths_kernel[(triton.cdiv(nseg, 32), triton.cdiv(world_size, 64))](
+    _segment_lengths_kernel[(cdiv(nseg, 32), cdiv(world_size, 64))](
         earlier, tile_first, new_lengths, totals, key_counts, nseg, world_size, grid, batch,
         num_keys, BLOCK_S=32, BLOCK_D=64, DEST_MAJOR=dest_major, INCL=dest_major,
-        TOTALS=dest_major, KP=max(2, triton.next_power_of_2(num_keys)),
+        TOTALS=dest_major, KP=max(2, next_power_of_2(num_keys)),
     )  # fmt: skip
     if not dest_major:
         key_counts = new_lengths.view(world_size, num_keys, batch).sum(2, dtype=torch.int64)
@@ -675,7 +675,7 @@ def ranged_dispatch(
     num_chunks = max(1, min((n + nseg * (chunk - 1)) // chunk, n))
     seg_offsets = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
     chunk_first = torch.empty(nseg + 1, dtype=torch.int64, device=dev)
-    scan_block = min(4096, max(128, triton.next_power_of_2(nseg)))
+    scan_block = min(4096, max(128, next_power_of_2(nseg)))
     _segment_scan_kernel[(1,)](
         lengths, seg_offsets, chunk_first, nseg, CHUNK=chunk, BLOCK=scan_block,
         num_warps=8 if scan_block >= 2048 else 4,
@@ -683,7 +683,7 @@ def ranged_dispatch(
     chunk_seg = torch.empty(num_chunks, dtype=torch.int32, device=dev)
     chunk_start = torch.empty(num_chunks, dtype=torch.int64, device=dev)
     chunk_end = torch.empty(num_chunks, dtype=torch.int64, device=dev)
-    _tile_table_kernel[(triton.cdiv(num_chunks, 1024),)](
+    _tile_table_kernel[(cdiv(num_chunks, 1024),)](
         seg_offsets, chunk_first, chunk_seg, chunk_start, chunk_end, nseg, num_chunks,
         TILE=chunk, SEARCH_ITERS=32, BLOCK=1024, num_warps=4,
     )  # fmt: skip
@@ -697,18 +697,18 @@ def ranged_dispatch(
     hblock = min(chunk, 2048)
     _chunk_count_kernel[(num_chunks,)](
         values, block_sizes, *chunks, offsets, batch, world_size, num_chunks,
-        MODULO=modulo, HBLOCK=hblock, WP=max(32, triton.next_power_of_2(world_size)),
+        MODULO=modulo, HBLOCK=hblock, WP=max(32, next_power_of_2(world_size)),
         num_warps=8 if hblock >= 2048 else 4,
     )  # fmt: skip
     offsets.cumsum_(0)
 
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
-    _chunk_lengths_kernel[(triton.cdiv(nseg, 64), triton.cdiv(world_size, 32))](
+    _chunk_lengths_kernel[(cdiv(nseg, 64), cdiv(world_size, 32))](
         offsets, chunk_first, new_lengths, nseg, world_size, num_chunks, BLOCK_S=64, BLOCK_D=32,
     )  # fmt: skip
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
     key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
-    _dispatch_totals_kernel[(triton.cdiv(world_size, 256),)](
+    _dispatch_totals_kernel[(cdiv(world_size, 256),)](
         offsets, chunk_first, splits, key_counts, world_size, num_chunks, num_keys, batch,
         BLOCK_D=256,
     )  # fmt: skip
@@ -771,9 +771,9 @@ def _row_copy(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tens
         return out
     src = x.contiguous()
     width = src.numel() // n
-    block_d = min(triton.next_power_of_2(width), 256)
+    block_d = min(next_power_of_2(width), 256)
     block_r = max(1, 4096 // block_d)
-    grid = (triton.cdiv(n, block_r), triton.cdiv(width, block_d))
+    grid = (cdiv(n, block_r), cdiv(width, block_d))
     _row_copy_kernel[grid](
         src, out, index.contiguous(), n, width,
         SCATTER=scatter, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
@@ -840,7 +840,7 @@ def gather_blocks(
     if out_offsets is None:
         out_offsets = exclusive_cumsum(sizes)
     block = 1024
-    _gather_blocks_kernel[(triton.cdiv(out_size, block),)](
+    _gather_blocks_kernel[(cdiv(out_size, block),)](
         x.contiguous(), out, starts.to(torch.int64).contiguous(),
         out_offsets.to(torch.int64).contiguous(), n_blocks, out_size,
         N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
