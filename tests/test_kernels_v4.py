@@ -212,12 +212,15 @@ def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max):
 
 
 def test_v4_carve_aligned_views():
-    """Scratch views of one allocation: at least the asked sizes, 16-byte aligned starts."""
+    """Scratch views of one allocation: at least the asked sizes, 512-byte aligned starts
+    (relative to the allocation, as the caching allocator aligns separate tensors)."""
     v4 = _v4()
     for dtype in (torch.int32, torch.int64):
         views = v4._carve(dtype, torch.device("cpu"), 1, 0, 5, 3, 17)
         assert [v.numel() >= s for v, s in zip(views, (1, 0, 5, 3, 17))] == [True] * 5
-        assert all(v.dtype == dtype and v.data_ptr() % 16 == 0 for v in views)
+        base = views[0].data_ptr()
+        assert all(v.dtype == dtype for v in views)
+        assert all((v.data_ptr() - base) % 512 == 0 for v in views if v.numel())
         assert len({v.untyped_storage().data_ptr() for v in views}) == 1
 
 

@@ -135,6 +135,7 @@ ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
 TABLE_BLOCK = 1024  # tiles per block of the tile table
+_CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles) the segment offsets and the
 # tile table are one single-program launch (`_v4_tables_kernel`), saving a launch where
 # the host's per-call work is what a call costs (benchmarks/results/dispatch_host.json);
@@ -936,10 +937,12 @@ def _check(cfg: V4Config, world_size: int) -> None:
 
 
 def _carve(dtype: torch.dtype, device: torch.device, *sizes: int) -> list[torch.Tensor]:
-    """Views of one new allocation, at least ``sizes`` elements each (padded so every view
-    starts 16-byte aligned, as Triton specializes pointers on 16-byte alignment): scratch
-    buffers in one allocator call instead of one each."""
-    per = max(1, 16 // dtype.itemsize)
+    """Views of one new allocation, at least ``sizes`` elements each, every view starting
+    on a 512-byte boundary as a separate allocation from PyTorch's caching allocator
+    would (16-byte alignment, what Triton specializes on, left v4 ~3% slower at 2^26
+    ids: rows then straddle 128-byte lines): scratch buffers in one allocator call
+    instead of one each."""
+    per = _CARVE_ALIGN // dtype.itemsize
     padded = [-(-size // per) * per for size in sizes]
     return list(torch.empty(sum(padded), dtype=dtype, device=device).split_with_sizes(padded))
 
