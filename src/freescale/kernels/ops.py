@@ -24,8 +24,8 @@ DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
 # first id. Session 18 switched at 2^21 ids (v4 1.30x / 1.83x faster than v3 at 2^21,
 # W = 8 / 1024, kernels.json at 87e7306), keeping v3 for one rank's ~1M ids, where
 # do_bench timed both near 1:1; those times were the host's enqueue work. Device time
-# alone (benchmarks/results/dispatch_host.json, GPU held while the host enqueues): v4
-# took 0.36-0.50x v3's time at ~1M ids for W = 8..1024, with the same 7 launches.
+# alone (benchmarks/results/dispatch_host*.json, GPU held while the host enqueues): v4
+# took 0.33-0.51x v3's time at ~1M ids for W = 8..1024, with as many or fewer launches.
 V4_MIN_IDS = 1
 V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
 
