@@ -187,28 +187,69 @@ def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max):
     """The segment offsets and the tile table as one single-program launch (looping over
     several table blocks when ``TABLE_BLOCK`` is small) or as two launches (the path past
     `FUSED_TABLES_MAX_TILES` tiles): the reference's bits either way, and the launches
-    are the ones chosen."""
+    are the ones chosen. A fixed case with 40+ tiles makes the fused loop run 3+ times."""
     v4 = _v4()
     monkeypatch.setattr(v4, "TABLE_BLOCK", table_block)
     monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", fused_max)
+    kernels = _count_table_launches(monkeypatch, v4)
+    many = torch.randint(0, 5000, (700,), generator=gen)
+    fixed = (many, torch.tensor([0, 300, 1, 399]), torch.tensor([700, 1200]), 8)
+    cases = [(fixed, None, "fixed: 2 keys, 700 ids, 44 tiles of 16")]
+    for world in (8, 300, 3):
+        case = random_dispatch_case(gen, world, max_batch=9, max_len=120, with_weights=True)
+        cases.append(((case.values, case.lengths, case.block_sizes, world), case.weights,
+                      case.describe()))  # fmt: skip
+    calls = 0
+    for (args, weights, context), tile in zip(cases, (16, 16, 16, 64)):
+        for lengths_mode in LENGTHS_MODES:
+            _check(args, "block", weights, context, tile=tile, lengths_mode=lengths_mode)
+            calls += args[0].numel() > 0
+    fused = kernels["_v4_tables_kernel"].launches
+    assert fused == (calls if fused_max else 0)
+    assert kernels["_v4_segment_kernel"].launches == calls - fused
+    assert kernels["_v4_tile_table_kernel"].launches == calls - fused
+
+
+def _count_table_launches(monkeypatch, v4) -> dict:
     kernels = {
         name: _Counted(getattr(v4, name))
         for name in ("_v4_tables_kernel", "_v4_segment_kernel", "_v4_tile_table_kernel")
     }
     for name, counted in kernels.items():
         monkeypatch.setattr(v4, name, counted)
-    calls = 0
-    for world, tile in ((8, 16), (300, 16), (3, 64)):
-        case = random_dispatch_case(gen, world, max_batch=9, max_len=120, with_weights=True)
-        args = (case.values, case.lengths, case.block_sizes, world)
-        for lengths_mode in LENGTHS_MODES:
-            _check(args, "block", case.weights, case.describe(), tile=tile,
-                   lengths_mode=lengths_mode)  # fmt: skip
-            calls += case.values.numel() > 0
-    fused = kernels["_v4_tables_kernel"].launches
-    assert fused == (calls if fused_max else 0)
-    assert kernels["_v4_segment_kernel"].launches == calls - fused
-    assert kernels["_v4_tile_table_kernel"].launches == calls - fused
+    return kernels
+
+
+def test_v4_tables_fused_up_to_the_limit(gen, monkeypatch):
+    """`FUSED_TABLES_MAX_TILES` is inclusive: a call with exactly that many tiles (N //
+    tile + K) takes the one-launch path, one more tile takes two launches."""
+    v4 = _v4()
+    n, keys, tile = 160, 2, 16
+    tiles = n // tile + keys  # 12
+    values = torch.randint(0, 1000, (n,), generator=gen)
+    args = (values, torch.tensor([50, 30, 40, 40]), torch.tensor([300, 500]), 4)
+    for limit, fused in ((tiles, 1), (tiles - 1, 0)):
+        monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", limit)
+        kernels = _count_table_launches(monkeypatch, v4)
+        _check(args, context=f"limit {limit}", tile=tile)
+        assert kernels["_v4_tables_kernel"].launches == fused, limit
+        assert kernels["_v4_segment_kernel"].launches == 1 - fused, limit
+        for name, counted in kernels.items():  # unwrap for the next round
+            monkeypatch.setattr(v4, name, counted.kernel)
+
+
+def test_host_int_helpers_match_triton():
+    """`common.cdiv` / `next_power_of_2` (plain ints in the launch code) give Triton's
+    values, including 0 and values past 2^31."""
+    import triton
+
+    from freescale.kernels.common import cdiv, next_power_of_2
+
+    values = [*range(0, 2100), (1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 40) + 7]
+    for n in values:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 1024, 4097):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
 def test_v4_carve_aligned_views():

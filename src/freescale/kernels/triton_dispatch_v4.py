@@ -136,11 +136,13 @@ ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per 
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
 TABLE_BLOCK = 1024  # tiles per block of the tile table
 _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
-# Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles) the segment offsets and the
-# tile table are one single-program launch (`_v4_tables_kernel`), saving a launch where
-# the host's per-call work is what a call costs (benchmarks/results/dispatch_host.json);
-# beyond it the table runs on many programs. Same results either way (tests force both).
-FUSED_TABLES_MAX_TILES = TABLE_BLOCK
+# Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles; up to ~2M ids with 1K-id
+# tiles) the segment offsets and the tile table are one single-program launch
+# (`_v4_tables_kernel`, at most two table blocks in turn: ~12 us of one SM each on an
+# H200, dispatch_profile_etrow2_c3aedfe.json), saving a launch where the host's per-call
+# work is what a call costs (benchmarks/results/dispatch_host.json); beyond it the table
+# runs on many programs. Same results either way (tests force both).
+FUSED_TABLES_MAX_TILES = 2 * TABLE_BLOCK
 
 
 # ---------------------------------------------------------------------------------------
@@ -1021,8 +1023,8 @@ def ranged_dispatch_v4(
     modulo = mode == "modulo"
     wp = max(2, next_power_of_2(world_size))
 
-    # Scratch: one int64 and one int32 allocation carved into 16-byte aligned views (one
-    # rank's batch is bound by the host's per-call work; an allocation costs ~7 us of it
+    # Scratch: one int64 and one int32 allocation carved into 512-byte aligned views (one
+    # rank's batch is bound by the host's per-call work; an allocation costs 7-9 us of it
     # on the H200's host, benchmarks/results/dispatch_host.json). Key k has
     # max(1, ceil(n_k / tile)) <= n_k // tile + 1 tiles, so n // tile + K bounds the
     # tiles used without a sync; spare tiles stay empty.
