@@ -6,7 +6,8 @@
 #   OUT=... bash benchmarks/ab_commits.sh run               # on the GPU machine
 # Runs, in order: head, each extracted commit, head again, head vanilla, the first commit
 # again (the repeats show the run-to-run spread next to the commit-to-commit one).
-# Writes $OUT/bisect.log (QPS, stage ms, host CPU per run). MODE, S (steps) override.
+# Writes $OUT/bisect.log (QPS, stage ms, host CPU per run). MODE, S (steps), NPROC (GPUs,
+# default 2) and LIMIT (seconds per run, default 100) override.
 set -u
 case "${1:-}" in
 extract)
@@ -17,10 +18,10 @@ extract)
 run)
   : "${OUT:?set OUT}"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  S=${S:-500}; MODE=${MODE:-freescale}
+  S=${S:-500}; MODE=${MODE:-freescale}; NPROC=${NPROC:-2}; LIMIT=${LIMIT:-100}
   one() {  # name srcdir mode
     echo "=== $1 mode=$3 $(date +%T)" >> "$OUT/bisect.log"
-    PYTHONPATH=$2 timeout 100 python -m freescale.cli train --device cuda --nproc 2 --steps "$S" \
+    PYTHONPATH=$2 timeout "$LIMIT" python -m freescale.cli train --device cuda --nproc "$NPROC" --steps "$S" \
       --mode "$3" --timing events --zipf-s 0.6 --eval-every 0 --no-progress > "/tmp/b_$1_$3.log" 2>&1
     echo "rc=$?" >> "$OUT/bisect.log"
     grep -E "QPS|per step|host CPU|stage|Error" "/tmp/b_$1_$3.log" | head -12 >> "$OUT/bisect.log"
