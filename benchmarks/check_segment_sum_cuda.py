@@ -1,6 +1,7 @@
 """The per-row gradient sum on CUDA: Triton tree (kernels/segment_tree.py) vs reference.
 
-Also checks the module's `mask_positions_triton` against ``torch.nonzero``.
+Also checks the module's `mask_positions_triton` and `mask_partition_triton` against
+``torch.nonzero``.
 
 Checks `segment_tree_sum` bitwise against `embedding.reduce.segment_sum_reference` on
 fresh random inputs (signed zeros, long hot-row segments, float32 and float64), then
@@ -75,13 +76,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     # mask positions (the same module's second kernel) against torch.nonzero
-    from freescale.kernels.segment_tree import mask_positions_triton
+    from freescale.kernels.segment_tree import mask_partition_triton, mask_positions_triton
 
     for n, p in ((1, 0.5), (1000, 0.01), (435_000, 0.5), (435_000, 0.999)):
         m = torch.rand(n, generator=gen).to(dev) < p
         same = bool(torch.equal(mask_positions_triton(m, int(m.sum())), torch.nonzero(m)[:, 0]))
         ok &= same
         rows.append({"op": "mask_positions", "n": n, "p": p, "equal_to_nonzero": same})
+        print(json.dumps(rows[-1]), flush=True)
+        # the stable partition: [nonzero(m) | nonzero(~m)] in one launch
+        both = torch.cat([torch.nonzero(m)[:, 0], torch.nonzero(~m)[:, 0]])
+        same = bool(torch.equal(mask_partition_triton(m, int(m.sum())), both))
+        ok &= same
+        rows.append({"op": "mask_partition", "n": n, "p": p, "equal_to_nonzero": same})
         print(json.dumps(rows[-1]), flush=True)
     big = next(r for r in rows if r.get("n_ids") == 435_000)
     res = {

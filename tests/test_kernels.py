@@ -570,6 +570,29 @@ def test_segment_tree_sum_on_padded_groups(gen):
 
 
 @needs_triton
+def test_mask_partition_triton_matches_reference(gen):
+    """The one-launch stable partition (CUDA path of embedding.reduce.mask_partition)
+    equals the reference and [nonzero(mask) | nonzero(~mask)] on fresh random masks,
+    incl. empty/full/all-false and more than one block; `partition_ranks` is its
+    inverse."""
+    from freescale.embedding.reduce import mask_partition_reference, partition_ranks
+    from freescale.kernels.segment_tree import mask_partition_triton
+
+    masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]
+    masks += [torch.zeros(7, dtype=torch.bool), torch.tensor([False, True])]
+    for n, p in ((1, 0.5), (1000, 0.01), (3000, 0.5), (5000, 0.99)):
+        masks.append(torch.rand(n, generator=gen) < p)
+    for m in masks:
+        count = int(m.sum())
+        expected = torch.cat([torch.nonzero(m).squeeze(1), torch.nonzero(~m).squeeze(1)])
+        got = mask_partition_triton(m, count)
+        assert torch.equal(got, mask_partition_reference(m, count)), m[:8]
+        assert torch.equal(got, expected), m[:8]
+        inverse = torch.empty_like(expected).scatter_(0, expected, torch.arange(m.numel()))
+        assert torch.equal(partition_ranks(m, count), inverse), m[:8]
+
+
+@needs_triton
 def test_mask_positions_triton_matches_reference(gen):
     """The two-launch mask positions (CUDA path of embedding.reduce.mask_positions)
     equal the reference and torch.nonzero on fresh random masks, incl. empty/full."""

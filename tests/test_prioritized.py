@@ -619,8 +619,41 @@ def test_factory():
         PrioritizedEmbeddingCollection(TABLES, comm, opt, _mutation="nope")
 
 
+def test_seg_sums_counts_each_segment_of_each_mask():
+    """`_seg_sums` (one scan for several masks) gives, per mask and segment, the number
+    of True entries, on fresh random masks and splits with empty segments."""
+    from freescale.embedding.prioritized import _seg_sums
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    for _ in range(50):
+        masks, splits, expected = [], [], []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            sizes = torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=g)),),
+                                  generator=g).tolist()  # fmt: skip
+            mask = torch.rand(sum(sizes), generator=g) < 0.4
+            masks.append(mask)
+            splits.append(sizes)
+            at = 0
+            for size in sizes:
+                expected.append(int(mask[at : at + size].sum()))
+                at += size
+        assert _seg_sums(masks, splits).tolist() == expected
+
+
+def test_mask_partition_is_both_mask_positions():
+    from freescale.embedding.reduce import mask_partition, mask_positions
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    for n in (0, 1, 7, 1000):
+        for p in (0.0, 0.03, 0.5, 1.0):
+            mask = torch.rand(n, generator=g) < p
+            c = int(mask.sum())
+            both = torch.cat([mask_positions(mask, c), mask_positions(~mask, n - c)])
+            assert torch.equal(mask_partition(mask, c), both), (n, p)
+
+
 def test_mask_positions_equal_nonzero_on_fresh_random_masks():
-    from freescale.embedding.prioritized import mask_positions
+    from freescale.embedding.reduce import mask_positions
 
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
     for n in (0, 1, 7, 1000, 4097):

@@ -120,7 +120,12 @@ from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.ops import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
-from .reduce import PendingRowGroups, group_rows_start, mask_positions
+from .reduce import (
+    PendingRowGroups,
+    group_rows_start,
+    mask_partition,
+    partition_ranks,
+)
 from .sdd import SddEmbeddingCollection
 
 __all__ = [
@@ -317,14 +322,26 @@ def _nbytes(*ts: torch.Tensor | None) -> int:
     return sum(int(t.numel()) * t.element_size() for t in ts if t is not None)
 
 
-def _seg_sums(mask: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
-    """Number of True entries of ``mask`` in each consecutive segment of ``splits``."""
-    cs = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
-    torch.cumsum(mask.to(torch.int64), 0, out=cs[1:])
-    ends = torch.tensor(splits, dtype=torch.int64).cumsum(0)
-    starts = ends - torch.tensor(splits, dtype=torch.int64)
+def _seg_sums(masks: Sequence[torch.Tensor], splits: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Number of True entries in each consecutive segment of ``splits[i]`` of
+    ``masks[i]``, for every mask in turn, as one int64 tensor: one scan over the
+    concatenated masks and one host-to-device copy of the segment bounds for all of them
+    (per mask, a scan, two small host tensors and a copy each)."""
+    flat = torch.cat(list(masks)) if len(masks) > 1 else masks[0]
+    cs = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=flat.device)
+    torch.cumsum(flat, 0, dtype=torch.int64, out=cs[1:])
+    starts: list[int] = []
+    ends: list[int] = []
+    base = 0
+    for mask, sizes in zip(masks, splits):
+        at = base
+        for size in sizes:
+            starts.append(at)
+            at += int(size)
+            ends.append(at)
+        base += mask.numel()
     # non-blocking: a blocking host-to-device copy would synchronise the stream
-    both = torch.stack([ends, starts]).to(mask.device, non_blocking=True)
+    both = torch.tensor([ends, starts], dtype=torch.int64).to(flat.device, non_blocking=True)
     return cs[both[0]] - cs[both[1]]
 
 
@@ -769,11 +786,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         bm.index_fill_(0, keys_t, False)
         coll_rows = total_rows - bm.sum()
         bm.index_fill_(0, keys_n, False)
-        reap_per_src = _seg_sums(reap_t, dist_t.recv_splits)
-        coll_per_src = _seg_sums(coll_n, dn.recv_splits)
-        counts = torch.cat(
-            [reap_per_src, coll_per_src, torch.stack([coll_rows, total_rows]).to(torch.int64)]
-        )
+        # per source rank: reappearing ids of t, then collision ids of t+1
+        per_src = _seg_sums([reap_t, coll_n], [dist_t.recv_splits, dn.recv_splits])
+        counts = torch.cat([per_src, torch.stack([coll_rows, total_rows]).to(torch.int64)])
         p = _PendingAhead(dist_t, dn, values, lengths, coll_n, reap_t, counts)
         self._mask_exchange_start(p)
         self._toc("collision_detect", t0)
@@ -819,22 +834,23 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # positions from counts already on the host (no nonzero / boolean-index syncs)
         n_coll_own = sum(coll_per_src)
         assert owner_split is not None  # made with the exchange when it decided so
-        excl_keys_n = keys_n.index_select(0, mask_positions(~coll_n, len(keys_n) - n_coll_own))
-        ahead.coll_keys = keys_n.index_select(0, mask_positions(coll_n, n_coll_own))
+        # t+1's ids at this owner: collision ids, then exclusive ids, each in received order
+        parted = keys_n.index_select(0, mask_partition(coll_n, n_coll_own))
+        ahead.coll_keys, excl_keys_n = parted[:n_coll_own], parted[n_coll_own:]
         ahead.coll_send_splits = coll_per_src
         excl_send_splits = [a - b for a, b in zip(dn.recv_splits, coll_per_src)]
         # requester side
         ahead.coll_recv_splits = tr[:, 1].tolist()
         ahead.excl_recv_splits = [a - b for a, b in zip(dn.send_splits, ahead.coll_recv_splits)]
         n_coll = sum(ahead.coll_recv_splits)
-        rank_coll = torch.cumsum(coll_y.to(torch.int64), 0) - 1
-        rank_excl = torch.cumsum((~coll_y).to(torch.int64), 0) - 1 + n_coll
-        ahead.merge_perm = torch.where(coll_y, rank_coll, rank_excl).index_select(0, dn.unbucketize)
+        # each received row's slot in [collision rows | exclusive rows], in batch order
+        ahead.merge_perm = partition_ranks(coll_y, n_coll).index_select(0, dn.unbucketize)
         g_coll = tr[:, 0].tolist()
         n_reap_req = sum(g_coll)
+        reap_pos = mask_partition(reap_y, n_reap_req)
         split = _GradSplit(
-            coll_pos=mask_positions(reap_y, n_reap_req),
-            excl_pos=mask_positions(~reap_y, len(reap_y) - n_reap_req),
+            coll_pos=reap_pos[:n_reap_req],
+            excl_pos=reap_pos[n_reap_req:],
             coll_send_splits=g_coll,
             excl_send_splits=[a - b for a, b in zip(dist_t.send_splits, g_coll)],
             coll_keys=owner_split[0],
@@ -880,8 +896,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         w = self.comm.world_size
         keys_t, reap_t = p.dist_t.recv_keys, p.reap_t
         n_reap_own = sum(own[:w])
-        coll_keys = keys_t.index_select(0, mask_positions(reap_t, n_reap_own))
-        excl_keys = keys_t.index_select(0, mask_positions(~reap_t, len(keys_t) - n_reap_own))
+        parted = keys_t.index_select(0, mask_partition(reap_t, n_reap_own))
+        coll_keys, excl_keys = parted[:n_reap_own], parted[n_reap_own:]
         coll_groups = excl_groups = None
         if self.update_mode(keys_t.is_cuda) == "ahead":
             coll_groups, excl_groups = group_rows_start(coll_keys), group_rows_start(excl_keys)

@@ -38,6 +38,8 @@ __all__ = [
     "group_rows_padded",
     "group_rows_start",
     "group_rows_reference",
+    "mask_partition",
+    "mask_partition_reference",
     "mask_positions",
     "mask_positions_reference",
     "segment_sum",
@@ -84,6 +86,40 @@ def mask_positions_reference(mask: torch.Tensor, count: int) -> torch.Tensor:
     out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
     out.scatter_(0, target, torch.arange(n, device=mask.device))
     return out[:count]
+
+
+def mask_partition(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The stable partition of positions by a 1-D bool ``mask`` with ``count`` True
+    entries known on the host: ``cat([nonzero(mask), nonzero(~mask)])`` (squeezed), i.e.
+    :func:`mask_positions` of ``mask`` and of ``~mask`` in one tensor, the first
+    ``count`` entries and the rest. One pass instead of two and no inverted copy of the
+    mask; on CUDA the Triton version (one scan and one launch), elsewhere
+    `mask_partition_reference`."""
+    fast = mask.is_cuda and mask.dtype == torch.bool and mask.dim() == 1
+    if fast and os.environ.get(SEGMENT_SUM_ENV_VAR, "auto") != "reference":
+        from freescale.kernels.segment_tree import mask_partition_triton
+
+        return mask_partition_triton(mask, count)
+    return mask_partition_reference(mask, count)
+
+
+def mask_partition_reference(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The plain version of :func:`mask_partition` (what it runs on CPU): each entry goes
+    to its rank among the True entries, or ``count`` + its rank among the False ones."""
+    n = mask.numel()
+    idx = torch.arange(n, device=mask.device)
+    if count in (0, n):
+        return idx
+    return torch.empty_like(idx).scatter_(0, partition_ranks(mask, count), idx)
+
+
+def partition_ranks(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Where :func:`mask_partition` puts each position: its rank among the True entries
+    of ``mask``, or ``count`` + its rank among the False ones (the inverse permutation,
+    with ``count`` = the number of True entries)."""
+    incl = torch.cumsum(mask, 0, dtype=torch.int64)
+    idx = torch.arange(mask.numel(), device=mask.device)
+    return torch.where(mask, incl - 1, (idx + count) - incl)
 
 
 def group_rows(keys: torch.Tensor) -> RowGroups:

@@ -32,7 +32,7 @@ import triton.language as tl
 from freescale.kernels.common import cdiv, next_power_of_2
 from freescale.kernels.reference import exclusive_cumsum
 
-__all__ = ["segment_tree_sum", "mask_positions_triton", "SUPPORTED_DTYPES"]
+__all__ = ["segment_tree_sum", "mask_positions_triton", "mask_partition_triton", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -190,4 +190,34 @@ def mask_positions_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
     block = 1024
     flags = mask.contiguous().view(torch.uint8)
     _compact_kernel[(cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
+    return out
+
+
+@triton.jit(do_not_specialize=["n", "count"])
+def _partition_kernel(mask_ptr, incl_ptr, out_ptr, n, count, BLOCK: tl.constexpr):
+    """out[incl[i] - 1] = i for a set mask[i], out[count + i - incl[i]] = i otherwise
+    (incl: inclusive prefix count of set entries). A wrong host count never writes past
+    ``out`` (positions are clamped into the buffer; the result is then wrong, as the
+    reference's would be, but memory stays safe)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    keep = tl.load(mask_ptr + offs, mask=inside, other=0) != 0
+    incl = tl.load(incl_ptr + offs, mask=inside, other=0)
+    pos = tl.where(keep, incl - 1, count + offs.to(tl.int64) - incl)
+    ok = inside & (pos >= 0) & (pos < n)
+    tl.store(out_ptr + pos, offs.to(tl.int64), mask=ok)
+
+
+def mask_partition_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """`embedding.reduce.mask_partition` for a 1-D bool ``mask``: positions of the set
+    entries, then of the others, each in order: one scan and one launch, where two
+    `mask_positions_triton` calls take two of each plus an inverted copy of the mask."""
+    n = mask.numel()
+    if count in (0, n):
+        return torch.arange(n, device=mask.device)
+    out = torch.empty(n, dtype=torch.int64, device=mask.device)
+    incl = torch.cumsum(mask, 0, dtype=torch.int64)
+    block = 1024
+    flags = mask.contiguous().view(torch.uint8)
+    _partition_kernel[(cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
     return out
