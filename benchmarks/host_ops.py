@@ -7,8 +7,10 @@ compare two commits on any machine. One process (world size 1, gloo not needed),
 collection alone with a small random batch per step (the layout of
 tests/test_prioritized.py's single-process test: 2 tables, 3 features, collisions every
 step), SGD, counted with a ``TorchDispatchMode`` over steps 3..10 (after warm-up, before
-the last look-ahead). On CPU the ops are the reference paths; on CUDA several of them
-are single Triton launches, so the counts rank the call sites, they are not the GPU's.
+the last look-ahead), with the CPU's default sparse update (sync) and with "ahead" (the
+CUDA default: row groupings started early). On CPU the ops are the reference paths; on
+CUDA several of them are single Triton launches, so the counts rank the call sites, they
+are not the GPU's.
 
 Usage: ``python benchmarks/host_ops.py --out DIR [--git-sha SHA]``; to compare commits,
 run it with ``PYTHONPATH=<a commit's src>`` (it uses only the collection's public
@@ -61,7 +63,7 @@ def _features(step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     }
 
 
-def count(prioritized: bool, steps: int = LAST + 2) -> _OpCounter:
+def count(prioritized: bool, update: str = "auto", steps: int = LAST + 2) -> _OpCounter:
     from freescale.comm.base import Communicator
     from freescale.config import SparseOptimConfig, TableConfig
     from freescale.embedding.collection import ShardedEmbeddingCollection
@@ -71,6 +73,7 @@ def count(prioritized: bool, steps: int = LAST + 2) -> _OpCounter:
     cls = PrioritizedEmbeddingCollection if prioritized else ShardedEmbeddingCollection
     opts: dict[str, Any] = {"max_collision_rate": 1.0} if prioritized else {}
     emb = cls(tables, Communicator(None), SparseOptimConfig("sgd", lr=0.1), seed=3, **opts)
+    emb.sparse_update = update  # "ahead": the CUDA default (groupings started early)
     counter = _OpCounter()
     for t in range(1, steps + 1):
         emb.set_step(t, 0.1 / t)
@@ -95,8 +98,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = LAST - FIRST + 1
     rows = []
     per_step = {}
-    for name, prioritized in (("vanilla", False), ("prioritized", True)):
-        c = count(prioritized)
+    variants = (
+        ("vanilla", False, "auto"),
+        ("prioritized", True, "auto"),
+        ("vanilla_ahead", False, "ahead"),
+        ("prioritized_ahead", True, "ahead"),
+    )
+    for name, prioritized, update in variants:
+        c = count(prioritized, update)
         total = sum(c.by_frame.values()) / steps
         per_step[name] = total
         print(f"{name}: {total:.1f} ops per step")
@@ -106,10 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = host_figure_header("host_ops", args.git_sha)
     report["config"] = {"counted_steps": [FIRST, LAST], "world_size": 1, "optimizer": "sgd"}
     report["rows"] = rows
-    report["headline"] = {
-        "vanilla_ops_per_step": per_step["vanilla"],
-        "prioritized_ops_per_step": per_step["prioritized"],
-    }
+    report["headline"] = {f"{name}_ops_per_step": v for name, v in per_step.items()}
     write_figure(args.out, report)
     return 0
 
