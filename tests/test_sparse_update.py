@@ -29,7 +29,6 @@ from freescale.embedding.reduce import (
     group_rows_padded,
     group_rows_reference,
     group_rows_start,
-    group_rows_start_split,
     segment_sum,
 )
 
@@ -78,38 +77,6 @@ def test_group_rows_started_ahead_equals_group_rows():
         for f in ("order", "rows", "starts", "counts", "max_count"):
             a, b = getattr(got, f), getattr(ref, f)
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f
-
-
-def test_group_rows_split_equals_two_groupings():
-    """`group_rows_start_split` (one sort for the prioritized owner split's two parts)
-    gives each part exactly `group_rows_start`'s tensors, at every split point kind:
-    empty first or second part, one id, equal keys across the parts, large keys."""
-    g = _gen()
-    fields = ("order", "rows", "starts", "counts", "max_count")
-    for keys in _key_cases(g):
-        n = keys.numel()
-        cuts = {0, n, min(1, n), n // 2, int(torch.randint(0, n + 1, (1,), generator=g))}
-        for cut in sorted(cuts):
-            first, second = group_rows_start_split(keys, cut)
-            assert (first.n, second.n) == (cut, n - cut)
-            for got, part in ((first.finish(), keys[:cut]), (second.finish(), keys[cut:])):
-                ref = group_rows_start(part).finish()
-                for f in fields:
-                    a, b = getattr(got, f), getattr(ref, f)
-                    same = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-                    assert same, (f, n, cut)
-
-
-def test_group_rows_split_needs_the_tag_to_separate_the_parts(monkeypatch):
-    """Mutation: without the shift (a zero tag) a key present in both parts makes one
-    run across them, and the check above sees it."""
-    from freescale.embedding import reduce
-
-    keys = torch.tensor([4, 2, 4, 9, 2, 4])
-    monkeypatch.setattr(reduce, "SPLIT_KEY_LIMIT", 0)
-    first, _ = group_rows_start_split(keys, 3)
-    got, ref = first.finish(), group_rows_start(keys[:3]).finish()
-    assert not torch.equal(got.order, ref.order)  # part 2's 2 sorts into part 1
 
 
 @pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])

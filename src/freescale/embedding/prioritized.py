@@ -122,7 +122,7 @@ from ..kernels.ops import gather_blocks
 from .collection import ShardedEmbeddingCollection, _IdDist, check_lookahead
 from .reduce import (
     PendingRowGroups,
-    group_rows_start_split,
+    group_rows_start,
     mask_partition,
     partition_ranks,
 )
@@ -899,8 +899,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         parted = keys_t.index_select(0, mask_partition(reap_t, n_reap_own))
         coll_keys, excl_keys = parted[:n_reap_own], parted[n_reap_own:]
         coll_groups = excl_groups = None
-        if self.update_mode(keys_t.is_cuda) == "ahead":  # both groupings from one sort
-            coll_groups, excl_groups = group_rows_start_split(parted, n_reap_own)
+        if self.update_mode(keys_t.is_cuda) == "ahead":
+            coll_groups, excl_groups = group_rows_start(coll_keys), group_rows_start(excl_keys)
         return coll_keys, excl_keys, coll_groups, excl_groups
 
     def _mask_exchange_start(self, p: _PendingAhead) -> None:

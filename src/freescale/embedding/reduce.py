@@ -37,7 +37,6 @@ __all__ = [
     "group_rows",
     "group_rows_padded",
     "group_rows_start",
-    "group_rows_start_split",
     "group_rows_reference",
     "mask_partition",
     "mask_partition_reference",
@@ -130,34 +129,6 @@ def group_rows(keys: torch.Tensor) -> RowGroups:
     return group_rows_start(keys, ahead=False).finish()
 
 
-class _HostCounts:
-    """Counts made on the device for one or more groupings, read on the host once: with
-    ``ahead`` on CUDA copied to pinned memory behind an event right away (the read later
-    finds the copy done), else read directly when first needed."""
-
-    def __init__(self, stats: torch.Tensor, ahead: bool) -> None:
-        self.stats = stats
-        self.host: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
-        self.stream: torch.cuda.Stream | None = None
-        if ahead and stats.is_cuda:
-            self.stream = torch.cuda.current_stream(stats.device)
-            self.host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            self.host.copy_(stats, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(self.stream)
-        self._values: list[int] | None = None
-
-    def values(self) -> list[int]:
-        if self._values is None:
-            if self.host is not None and self.ready is not None:
-                self.ready.synchronize()
-                self._values = self.host.tolist()
-            else:
-                self._values = self.stats.tolist()
-        return self._values
-
-
 class PendingRowGroups:
     """:func:`group_rows` split in two: :func:`group_rows_start` queues the sort and the
     two counts (unique rows, longest segment) and, on CUDA, copies the counts to pinned
@@ -165,9 +136,7 @@ class PendingRowGroups:
     :class:`RowGroups`. Started in the forward for the ids whose gradients the backward
     sums, the read in the backward finds the copy long done: no wait for the dense
     backward (what :func:`group_rows` would wait for there) and no padding (what
-    :func:`group_rows_padded` pays for). Same tensors as :func:`group_rows`.
-    (:func:`group_rows_start_split` makes two from one sort; they share one copy of
-    their counts, ``part`` says which pair of counts is this grouping's.)"""
+    :func:`group_rows_padded` pays for). Same tensors as :func:`group_rows`."""
 
     def __init__(
         self,
@@ -175,12 +144,25 @@ class PendingRowGroups:
         order: torch.Tensor,
         sorted_keys: torch.Tensor,
         is_start: torch.Tensor,
-        counts: _HostCounts,
-        part: int = 0,
+        stats: torch.Tensor,
+        ahead: bool,
     ) -> None:
         self.n = n
-        self.order, self.sorted_keys, self.is_start = order, sorted_keys, is_start
-        self._counts, self._part = counts, part
+        self.order, self.sorted_keys, self.is_start, self._stats = (
+            order,
+            sorted_keys,
+            is_start,
+            stats,
+        )
+        self._host: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if ahead and stats.is_cuda:
+            self._stream = torch.cuda.current_stream(stats.device)
+            self._host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self._host.copy_(stats, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._stream)
         self._result: RowGroups | None = None
 
     def finish(self) -> RowGroups:
@@ -194,14 +176,16 @@ class PendingRowGroups:
             e = self.order
             self._result = RowGroups(e, e, e, e, 0)
             return self._result
-        u, max_count = self._counts.values()[2 * self._part : 2 * self._part + 2]
-        ready, stream = self._counts.ready, self._counts.stream
-        if ready is not None:
+        if self._host is not None and self._ready is not None:
+            self._ready.synchronize()
+            u, max_count = self._host.tolist()
             cur = torch.cuda.current_stream(self.order.device)
-            if cur != stream:
-                cur.wait_event(ready)
+            if cur != self._stream:
+                cur.wait_event(self._ready)
                 for t in (self.order, self.sorted_keys, self.is_start):
                     t.record_stream(cur)
+        else:
+            u, max_count = self._stats.tolist()
         starts = mask_positions(self.is_start, u)
         counts = torch.empty_like(starts)
         counts[:-1] = starts[1:] - starts[:-1]
@@ -211,21 +195,6 @@ class PendingRowGroups:
         return self._result
 
 
-def _empty_groups(keys: torch.Tensor) -> PendingRowGroups:
-    e = keys.new_zeros(0, dtype=torch.int64)
-    return PendingRowGroups(0, e, e, e.bool(), _HostCounts(e, ahead=False))
-
-
-def _starts_and_runs(sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each run of equal sorted keys starts (bool), and each position's index in
-    its run."""
-    n = sorted_keys.numel()
-    is_start = torch.ones(n, dtype=torch.bool, device=sorted_keys.device)
-    is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    idx = torch.arange(n, device=sorted_keys.device)
-    return is_start, idx - torch.cummax(torch.where(is_start, idx, 0), 0).values
-
-
 def group_rows_start(keys: torch.Tensor, ahead: bool = True) -> PendingRowGroups:
     """Queue :func:`group_rows`'s device work for ``keys`` (see :class:`PendingRowGroups`);
     ``ahead``: copy the two counts to the host asynchronously (CUDA only; otherwise
@@ -233,42 +202,15 @@ def group_rows_start(keys: torch.Tensor, ahead: bool = True) -> PendingRowGroups
     keys = keys.to(torch.int64)
     n = keys.numel()
     if n == 0:
-        return _empty_groups(keys)
+        e = keys.new_zeros(0)
+        return PendingRowGroups(0, e, e, e.bool(), e, ahead=False)
     sorted_keys, order = torch.sort(keys, stable=True)
-    is_start, in_run = _starts_and_runs(sorted_keys)
-    stats = torch.stack([is_start.sum(), in_run.max() + 1])
-    return PendingRowGroups(n, order, sorted_keys, is_start, _HostCounts(stats, ahead))
-
-
-SPLIT_KEY_LIMIT = 1 << 62  # keys of `group_rows_start_split` lie in [0, this)
-
-
-def group_rows_start_split(
-    keys: torch.Tensor, count: int, ahead: bool = True
-) -> tuple[PendingRowGroups, PendingRowGroups]:
-    """``group_rows_start(keys[:count])`` and ``group_rows_start(keys[count:])`` (the same
-    tensors, bit for bit) from one stable sort: the second part's keys are sorted
-    shifted by `SPLIT_KEY_LIMIT`, so they follow every key of the first part and a run
-    never spans both; their four counts travel in one copy. Keys must lie in
-    [0, `SPLIT_KEY_LIMIT`) (shard rows do; not checked: that would read the device)."""
-    keys = keys.to(torch.int64)
-    n = keys.numel()
-    if count in (0, n):
-        return group_rows_start(keys[:count], ahead), group_rows_start(keys[count:], ahead)
-    tagged = keys.clone()
-    tagged[count:] += SPLIT_KEY_LIMIT
-    sorted_keys, order = torch.sort(tagged, stable=True)
-    is_start, in_run = _starts_and_runs(sorted_keys)
-    stats = torch.stack([is_start[:count].sum(), in_run[:count].max() + 1,
-                         is_start[count:].sum(), in_run[count:].max() + 1])  # fmt: skip
-    sorted_keys[count:] -= SPLIT_KEY_LIMIT
-    order[count:] -= count
-    counts = _HostCounts(stats, ahead)
-    first = PendingRowGroups(count, order[:count], sorted_keys[:count], is_start[:count], counts)
-    second = PendingRowGroups(
-        n - count, order[count:], sorted_keys[count:], is_start[count:], counts, part=1
-    )
-    return first, second
+    is_start = torch.ones(n, dtype=torch.bool, device=keys.device)
+    is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    idx = torch.arange(n, device=keys.device)
+    run_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
+    stats = torch.stack([is_start.sum(), (idx - run_start).max() + 1])
+    return PendingRowGroups(n, order, sorted_keys, is_start, stats, ahead)
 
 
 @dataclass
