@@ -569,6 +569,15 @@ def test_segment_tree_sum_on_padded_groups(gen):
             assert torch.equal(_bits(got[:u]), _bits(ref)), (keys.numel(), chunk)
 
 
+def _mask_cases(gen: torch.Generator) -> list[torch.Tensor]:
+    """Bool masks: empty, all set, none set, tiny, and fresh random ones of 1-5 blocks."""
+    masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]
+    masks += [torch.zeros(7, dtype=torch.bool), torch.tensor([False, True])]
+    for n, p in ((1, 0.5), (1000, 0.01), (3000, 0.5), (5000, 0.99)):
+        masks.append(torch.rand(n, generator=gen) < p)
+    return masks
+
+
 @needs_triton
 def test_mask_partition_triton_matches_reference(gen):
     """The one-launch stable partition (CUDA path of embedding.reduce.mask_partition)
@@ -578,11 +587,7 @@ def test_mask_partition_triton_matches_reference(gen):
     from freescale.embedding.reduce import mask_partition_reference, partition_ranks
     from freescale.kernels.segment_tree import mask_partition_triton
 
-    masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]
-    masks += [torch.zeros(7, dtype=torch.bool), torch.tensor([False, True])]
-    for n, p in ((1, 0.5), (1000, 0.01), (3000, 0.5), (5000, 0.99)):
-        masks.append(torch.rand(n, generator=gen) < p)
-    for m in masks:
+    for m in _mask_cases(gen):
         count = int(m.sum())
         expected = torch.cat([torch.nonzero(m).squeeze(1), torch.nonzero(~m).squeeze(1)])
         got = mask_partition_triton(m, count)
@@ -599,11 +604,7 @@ def test_mask_positions_triton_matches_reference(gen):
     from freescale.embedding.reduce import mask_positions_reference
     from freescale.kernels.segment_tree import mask_positions_triton
 
-    masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]
-    masks += [torch.zeros(7, dtype=torch.bool), torch.tensor([False, True])]
-    for n, p in ((1, 0.5), (1000, 0.01), (3000, 0.5), (5000, 0.99)):
-        masks.append(torch.rand(n, generator=gen) < p)
-    for m in masks:
+    for m in _mask_cases(gen):
         count = int(m.sum())
         got = mask_positions_triton(m, count)
         ref = mask_positions_reference(m, count)
