@@ -95,14 +95,6 @@ def main() -> int:
                     # blocks, and two launches (what calls past FUSED_TABLES_MAX_TILES run)
                     "triton_v4_tables_looped": _v4_tables(args, mode, 16, 1 << 30),
                     "triton_v4_tables_two": _v4_tables(args, mode, 1024, 0),
-                    # ranks="scan" (no rank kernel): many segments per 256-id tile and
-                    # pieces, one piece per tile, and W's whose words hold 1-4 dests
-                    "triton_v4_scan": ranged_dispatch_v4(
-                        *args, mode=mode, ranks="scan", tile=256, scatter_block=64
-                    ),
-                    "triton_v4_scan_wide": ranged_dispatch_v4(
-                        *args, mode=mode, ranks="scan", tile=4096, scatter_block=1024
-                    ),
                 }
                 for name, got in variants.items():
                     for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
@@ -112,11 +104,7 @@ def main() -> int:
                 # weights travel with their ids (v4 is what large calls run)
                 wts = torch.rand(n, device="cuda", generator=g)
                 rw = ranged_dispatch(*args, mode=mode, weights=wts, backend="reference")
-                for knobs in (
-                    {},
-                    {"tile": 256, "scatter_block": 64, "scatter_order": "block"},
-                    {"tile": 256, "scatter_block": 64, "ranks": "scan"},
-                ):
+                for knobs in ({}, {"tile": 256, "scatter_block": 64, "scatter_order": "block"}):
                     got = ranged_dispatch_v4(*args, mode=mode, weights=wts, **knobs)
                     for f in ("values", "lengths", "weights", "unbucketize_permute"):
                         if not torch.equal(getattr(rw, f), getattr(got, f)):

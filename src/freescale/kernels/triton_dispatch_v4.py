@@ -132,9 +132,6 @@ LENGTHS_MODES = ("rows", "columns")  # `V4Config.lengths_mode`
 SCATTER_ORDERS = ("tile", "block")  # `V4Config.scatter_order`
 PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
-RANKS = ("stored", "scan")  # `V4Config.ranks`
-SCAN_MAX_TILE = 1 << 15  # ranks="scan": per-dest counts of a tile in 16-bit fields
-SCAN_SEGMENTS = 16  # ranks="scan": segment snapshots a count program writes at a time
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
 TABLE_BLOCK = 1024  # tiles per block of the tile table
@@ -830,179 +827,6 @@ def _v4_scatter_kernel(
 
 
 # ---------------------------------------------------------------------------------------
-# ranks="scan": no rank kernel, no stored ranks (small W)
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _packed_onehot(dest, valid, G: tl.constexpr):
-    """[n, G] int64: for id i a one in the 16-bit field ``dest % 4`` of column
-    ``dest // 4`` (zero where not ``valid``). A column sum or scan of it counts four dests
-    at once; a tile has at most SCAN_MAX_TILE ids, so no field carries into the next."""
-    col = tl.arange(0, G)
-    one = tl.full(dest.shape, 1, tl.int64) << (16 * (dest & 3)).to(tl.int64)
-    hit = valid[:, None] & (col[None, :] == (dest >> 2)[:, None])
-    return tl.where(hit, one[:, None], 0)
-
-
-@triton.jit
-def _store_snapshots(snaps_ptr, seg_tile_ptr, seg_offsets_ptr, s, seg_hi, t, p, piece_end,
-                     incl, carry, FIELD0, WORLD: tl.constexpr, SUB: tl.constexpr,
-                     SB: tl.constexpr):  # fmt: skip
-    """Snapshot fields FIELD0 .. FIELD0 + 3 (one packed word column) of the segments
-    [s, ...) that start before ``piece_end``, SB at a time. ``incl`` [SUB]: the column's
-    inclusive counts at the ids of the piece starting at id p; ``carry``: its counts
-    before p (a segment starting at p). Returns the first segment not stored."""
-    sl = tl.arange(0, SB)
-    f = tl.arange(0, 4)
-    fmask = FIELD0 + f < WORLD
-    q = tl.load(seg_offsets_ptr + s, mask=s < seg_hi, other=piece_end)
-    while q < piece_end:  # the owned segments starting in this piece: a prefix of sv
-        sv = s + sl
-        qv = tl.load(seg_offsets_ptr + sv, mask=sv < seg_hi, other=piece_end)
-        here = qv < piece_end
-        before = (qv - p - 1).to(tl.int32)  # the id before the segment; -1: the carry
-        word = tl.gather(incl, tl.minimum(tl.maximum(before, 0), SUB - 1), 0)
-        word = tl.where(before >= 0, word, carry)
-        fields = (word[:, None] >> (16 * f).to(tl.int64)[None, :]) & 0xFFFF
-        tl.store(snaps_ptr + sv[:, None].to(tl.int64) * WORLD + FIELD0 + f[None, :],
-                 fields.to(tl.int32), mask=here[:, None] & fmask[None, :])  # fmt: skip
-        tl.store(seg_tile_ptr + sv, t, mask=here)
-        s += tl.sum(here.to(tl.int32), 0)
-        q = tl.load(seg_offsets_ptr + s, mask=s < seg_hi, other=piece_end)
-    return s
-
-
-@triton.jit(do_not_specialize=["num_tiles"])
-def _v4_count_rows_kernel(
-    values_ptr,
-    block_sizes_ptr,
-    seg_offsets_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    tile_seg_lo_ptr,
-    tile_seg_hi_ptr,
-    counts_ptr,
-    snaps_ptr,
-    seg_tile_ptr,
-    num_tiles,
-    WORLD: tl.constexpr,
-    MODULO: tl.constexpr,
-    WP: tl.constexpr,
-    G: tl.constexpr,
-    SUB: tl.constexpr,
-    SB: tl.constexpr,
-):
-    """ranks="scan": what `_v4_rank_rows_kernel` leaves for the finish pass, without
-    ranking: counts[d * T + t] and, for each segment s tile t owns, snaps[s, :] (ids of
-    each dest in the tile before s's first id) and seg_tile[s] = t. Tile t (one
-    multi-warp program) in pieces of SUB ids: the column sums of the packed one-hot
-    (`_packed_onehot`) carry the counts from piece to piece; in a piece where a segment
-    starts, each word column is scanned and the segments read their rows from it
-    (`_store_snapshots`)."""
-    t = tl.program_id(0)
-    key = tl.load(tile_key_ptr + t)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    seg_lo = tl.load(tile_seg_lo_ptr + t)
-    seg_hi = tl.load(tile_seg_hi_ptr + t)
-    blk = tl.load(block_sizes_ptr + key).to(tl.int64)
-    lane = tl.arange(0, SUB)
-    gcol = tl.arange(0, G)
-    carry = tl.zeros([G], dtype=tl.int64)  # packed counts of the tile's ids before p
-    s = seg_lo
-    p = start
-    while p < end:
-        offs = p + lane
-        mask = offs < end
-        ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
-        onehot = _packed_onehot(_owner(ids, blk, WORLD, MODULO), mask, G)
-        piece_end = tl.minimum(p + SUB, end)
-        if tl.load(seg_offsets_ptr + s, mask=s < seg_hi, other=piece_end) < piece_end:
-            s0 = s
-            for g in tl.static_range(G):
-                column = tl.sum(tl.where(gcol[None, :] == g, onehot, 0), 1)
-                before_p = tl.sum(tl.where(gcol == g, carry, 0), 0)
-                incl = tl.cumsum(column, 0) + before_p
-                s = _store_snapshots(snaps_ptr, seg_tile_ptr, seg_offsets_ptr, s0, seg_hi, t,
-                                     p, piece_end, incl, before_p, 4 * g, WORLD, SUB, SB)  # fmt: skip
-        carry += tl.sum(onehot, 0)
-        p += SUB
-    # segments starting at the tile's end: the empty ones at its key's end, or every
-    # segment of an empty key's one tile
-    sl = tl.arange(0, SB)
-    d = tl.arange(0, WP)
-    dmask = d < WORLD
-    words = tl.gather(carry, d // 4, 0)
-    total = ((words >> (16 * (d & 3)).to(tl.int64)) & 0xFFFF).to(tl.int32)
-    while s < seg_hi:
-        sv = s + sl
-        here = sv < seg_hi
-        tl.store(snaps_ptr + sv[:, None].to(tl.int64) * WORLD + d[None, :],
-                 tl.broadcast_to(total[None, :], (SB, WP)),
-                 mask=here[:, None] & dmask[None, :])  # fmt: skip
-        tl.store(seg_tile_ptr + sv, t, mask=here)
-        s += SB
-    tl.store(counts_ptr + d.to(tl.int64) * num_tiles + t, total, mask=dmask)
-
-
-@triton.jit
-def _v4_scatter_scan_kernel(
-    values_ptr,
-    weights_ptr,
-    block_sizes_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    et_ptr,
-    out_values_ptr,
-    out_weights_ptr,
-    perm_ptr,
-    WORLD: tl.constexpr,
-    MODULO: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    WP: tl.constexpr,
-    G: tl.constexpr,
-    SUB: tl.constexpr,
-):
-    """ranks="scan": tile t (one program) in pieces of SUB ids, each id's rank in the tile
-    from the same packed column scan as `_v4_count_rows_kernel` (nothing stored between
-    the two); position = et[t, dest] (the tile's row, through `tl.gather`) + rank."""
-    t = tl.program_id(0).to(tl.int64)
-    start = tl.load(tile_start_ptr + t)
-    end = tl.load(tile_end_ptr + t)
-    blk = tl.load(block_sizes_ptr + tl.load(tile_key_ptr + t)).to(tl.int64)
-    cols = tl.arange(0, WP)
-    row = tl.load(et_ptr + t * WORLD + cols, mask=cols < WORLD, other=0)
-    gcol = tl.arange(0, G)
-    lane = tl.arange(0, SUB)
-    carry = tl.zeros([G], dtype=tl.int64)
-    p = start
-    while p < end:
-        offs = p + lane
-        mask = offs < end
-        ids = tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64)
-        dest = tl.where(mask, _owner(ids, blk, WORLD, MODULO), 0)
-        onehot = _packed_onehot(dest, mask, G)
-        incl = tl.cumsum(onehot, 0) + carry[None, :]
-        word = tl.sum(tl.where(gcol[None, :] == (dest >> 2)[:, None], incl, 0), 1)
-        rank = ((word >> (16 * (dest & 3)).to(tl.int64)) & 0xFFFF) - 1
-        pos = tl.gather(row, dest, 0).to(tl.int64) + rank
-        if MODULO:
-            local = ids // WORLD
-        else:
-            local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, ids // WORLD)
-        tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
-        tl.store(perm_ptr + offs, pos, mask=mask)
-        if HAS_WEIGHTS:
-            w = tl.load(weights_ptr + offs, mask=mask)
-            tl.store(out_weights_ptr + pos, w, mask=mask)
-        carry += tl.sum(onehot, 0)
-        p += SUB
-
-
-# ---------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------
 
@@ -1034,13 +858,6 @@ class V4Config:
     finish_block: "rows" only: dests x (tiles or segments) per block of the finish pass
         (power of two, 16..256; 32: a [32, 32] block of int64 positions, twice, is ~8
         values per thread of 4 warps each).
-    ranks: "stored" (default): the one-warp rank kernel stores (dest, rank in tile) per
-        id for the scatter; "scan" ("rows" only, tile <= SCAN_MAX_TILE): a count kernel
-        stores only per-tile counts and segment snapshots, and the scatter, one program
-        per tile, recomputes each id's rank with a column scan over W / 4 packed words
-        (`_v4_scatter_scan_kernel`): a read of the ids and the ranks' 8 bytes per id of
-        traffic fewer, W / 4 scan columns of work more per id; scatter_block is then
-        the ids per scan piece and scatter_warps the warps of both programs.
     """
 
     tile: int
@@ -1052,7 +869,6 @@ class V4Config:
     scatter_order: str = "tile"
     peers: str = "auto"
     et_gather: str = "global"
-    ranks: str = "stored"
 
 
 def default_config_v4(world_size: int, device: torch.device, n: int) -> V4Config:
@@ -1115,15 +931,9 @@ def _check(cfg: V4Config, world_size: int) -> None:
         ("scatter_order", cfg.scatter_order, SCATTER_ORDERS),
         ("peers", cfg.peers, PEERS),
         ("et_gather", cfg.et_gather, ET_GATHERS),
-        ("ranks", cfg.ranks, RANKS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if cfg.ranks == "scan" and (cfg.lengths_mode != "rows" or cfg.tile > SCAN_MAX_TILE):
-        raise ValueError(
-            f"ranks='scan' needs lengths_mode='rows' and tile <= {SCAN_MAX_TILE}, got "
-            f"lengths_mode={cfg.lengths_mode!r}, tile={cfg.tile}"
-        )
     if cfg.et_gather == "row" and world_size > ET_ROW_MAX_WORLD:
         raise ValueError(f"et_gather='row' supports world_size <= {ET_ROW_MAX_WORLD}")
 
@@ -1171,7 +981,6 @@ def ranged_dispatch_v4(
     scatter_order: Optional[str] = None,
     peers: Optional[str] = None,
     et_gather: Optional[str] = None,
-    ranks: Optional[str] = None,
 ) -> DispatchResult:
     """Triton `ranged_dispatch`, v4 (see the module docstring); same semantics and results
     as `reference.ranged_dispatch`. Keyword knobs override `default_config_v4`
@@ -1184,7 +993,7 @@ def ranged_dispatch_v4(
         )
     base = default_config_v4(world_size, dev, n)
     knobs = (tile, chunk, scatter_block, scatter_warps, lengths_mode, finish_block,
-             scatter_order, peers, et_gather, ranks)  # fmt: skip
+             scatter_order, peers, et_gather)  # fmt: skip
     cfg = (
         base
         if all(k is None for k in knobs)
@@ -1200,7 +1009,6 @@ def ranged_dispatch_v4(
             scatter_order=scatter_order or base.scatter_order,
             peers=peers or base.peers,
             et_gather=et_gather or base.et_gather,
-            ranks=ranks or base.ranks,
         )
     )
     if cfg is base:
@@ -1227,13 +1035,11 @@ def ranged_dispatch_v4(
         torch.int64, dev, nseg + 1, num_keys + 1, *(num_tiles,) * 4
     )
     rows_mode = cfg.lengths_mode == "rows"
-    scan_mode = cfg.ranks == "scan"  # no counter rows, no stored ranks
     per_seg = (nseg * world_size, nseg) if rows_mode else (tw, tw)  # snaps, seg_tile | head, tail
     et_here = (tw,) if index_dtype == torch.int32 else ()
-    tile_key, rows, ranks_buf, counts, seg_a, seg_b, *et = _carve(
-        torch.int32, dev, num_tiles, 0 if scan_mode else tw, 0 if scan_mode else n, tw,
-        *per_seg, *et_here,
-    )  # fmt: skip
+    tile_key, rows, ranks, counts, seg_a, seg_b, *et = _carve(
+        torch.int32, dev, num_tiles, tw, n, tw, *per_seg, *et_here
+    )
     counts = counts[:tw]  # scanned whole: no padding
 
     # 1-2. segment offsets and the first tile of every key (one program), then the tile
@@ -1264,18 +1070,10 @@ def ranged_dispatch_v4(
     # either a [W] counter snapshot row ("rows") or its lengths ("columns")
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     rank_common = (values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, rows,
-                   ranks_buf, counts)  # fmt: skip
+                   ranks, counts)  # fmt: skip
     rank_meta = {"WORLD": world_size, "MODULO": modulo, "CHUNK": cfg.chunk,
                  "WB": min(wp, 256), "MATCH": match, "num_warps": 1}  # fmt: skip
-    scan_g = max(1, wp // 4)  # ranks="scan": packed words of four 16-bit dest counts
-    if scan_mode:
-        snaps, seg_tile = seg_a, seg_b
-        _v4_count_rows_kernel[(num_tiles,)](
-            values, block_sizes, seg_offsets, *tiles, tile_seg_lo, tile_seg_hi, counts, snaps,
-            seg_tile, num_tiles, WORLD=world_size, MODULO=modulo, WP=wp, G=scan_g,
-            SUB=cfg.scatter_block, SB=SCAN_SEGMENTS, num_warps=cfg.scatter_warps,
-        )  # fmt: skip
-    elif rows_mode:
+    if rows_mode:
         snaps, seg_tile = seg_a, seg_b
         _v4_rank_rows_kernel[(num_tiles,)](*rank_common, snaps, seg_tile, num_tiles,
                                            **rank_meta)  # fmt: skip
@@ -1318,23 +1116,15 @@ def ranged_dispatch_v4(
     out_values = torch.empty_like(values)
     out_weights = None if weights is None else torch.empty_like(weights)
     perm = torch.empty(n, dtype=torch.int64, device=dev)
-    if scan_mode:
-        _v4_scatter_scan_kernel[(num_tiles,)](
-            values, values if weights is None else weights, block_sizes, *tiles, et,
-            out_values, out_values if out_weights is None else out_weights, perm,
-            WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None, WP=wp, G=scan_g,
-            SUB=cfg.scatter_block, num_warps=cfg.scatter_warps,
-        )  # fmt: skip
-    else:
-        blocks_per_tile = cdiv(cfg.tile, cfg.scatter_block)
-        _v4_scatter_kernel[(num_tiles * blocks_per_tile,)](
-            values, values if weights is None else weights, block_sizes, *tiles, ranks_buf,
-            et, out_values, out_values if out_weights is None else out_weights, perm,
-            WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None,
-            BLOCK=cfg.scatter_block, BLOCKS_PER_TILE=blocks_per_tile,
-            TILE_MAJOR=cfg.scatter_order == "tile",
-            ET_ROW=wp if cfg.et_gather == "row" else 0, num_warps=cfg.scatter_warps,
-        )  # fmt: skip
+    blocks_per_tile = cdiv(cfg.tile, cfg.scatter_block)
+    _v4_scatter_kernel[(num_tiles * blocks_per_tile,)](
+        values, values if weights is None else weights, block_sizes, *tiles, ranks, et,
+        out_values, out_values if out_weights is None else out_weights, perm,
+        WORLD=world_size, MODULO=modulo, HAS_WEIGHTS=weights is not None,
+        BLOCK=cfg.scatter_block, BLOCKS_PER_TILE=blocks_per_tile,
+        TILE_MAJOR=cfg.scatter_order == "tile", ET_ROW=wp if cfg.et_gather == "row" else 0,
+        num_warps=cfg.scatter_warps,
+    )  # fmt: skip
     return DispatchResult(
         values=out_values,
         lengths=new_lengths,
