@@ -2,7 +2,7 @@
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
 Dispatch is checked for the sort-free kernel (default and small chunks), v1, v3 and v4
 (both lengths paths, the match.any and compare paths, both scatter orders, with weights)
-at W = 1, 2, 8, 64, 1024.
+at W = 1, 2, 8, 64, 1024; and the flex block mask's tables (`kernels/block_mask.py`).
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 
 import torch
 
@@ -147,8 +148,53 @@ def main() -> int:
                 if not all(torch.equal(p, q) for p, q in zip(x, y) if torch.is_tensor(p)):
                     print(f"MISMATCH keyed_transpose w={w} {dt}")
                     bad += 1
+    bad += _check_block_mask(g)
     print("kernel check:", "OK" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
+
+
+def _check_block_mask(g: torch.Generator) -> int:
+    """The flex block mask's tables (kernels/block_mask.py) against the reference on the
+    e2e workload's lengths (128 samples, lognormal around 1K, max 16K) and edge cases;
+    then the host time per call of both (enqueue + sync, 50 calls; informational)."""
+    from freescale.kernels.block_mask import block_mask_tables_triton
+    from freescale.models.sequence import FLEX_BLOCK, block_mask_tables_reference, flex_bucket
+
+    bad = 0
+    cases = []
+    for _ in range(4):
+        ln = torch.exp(torch.randn(128, device="cuda", generator=g) + 6.93).long()
+        cases.append(ln.clamp(1, 16384))
+    cases += [torch.tensor(x, device="cuda") for x in ([0, 0, 5], [128, 256, 0, 1], [20000])]
+    for ln in cases:
+        t = int(ln.sum())
+        for tp in (-(-max(t, 1) // FLEX_BLOCK) * FLEX_BLOCK, flex_bucket(t)):
+            ref = block_mask_tables_reference(ln, tp, t)
+            for dt in (torch.int32, torch.int64):
+                got = block_mask_tables_triton(ln.to(dt), tp, t, FLEX_BLOCK)
+                same = all(
+                    x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+                    for x, y in zip(got, ref)
+                )
+                if not same:
+                    print(f"MISMATCH block_mask samples={ln.numel()} t={t} tp={tp} {dt}")
+                    bad += 1
+    ln = cases[0]
+    t = int(ln.sum())
+    tp = -(-t // FLEX_BLOCK) * FLEX_BLOCK
+    for name, fn in (
+        ("reference", lambda: block_mask_tables_reference(ln, tp, t)),
+        ("triton", lambda: block_mask_tables_triton(ln, tp, t, FLEX_BLOCK)),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 50 * 1e3
+        print(f"block_mask {name}: {ms:.3f} ms per call (t={t}, nb={tp // FLEX_BLOCK})")
+    return bad
 
 
 if __name__ == "__main__":

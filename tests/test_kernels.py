@@ -609,3 +609,73 @@ def test_mask_positions_triton_matches_reference(gen):
         got = mask_positions_triton(m, count)
         ref = mask_positions_reference(m, count)
         assert torch.equal(got, ref) and torch.equal(got, torch.nonzero(m).squeeze(1)), m[:8]
+
+
+def _block_mask_cases(gen: torch.Generator):
+    """(lengths, tp, block) for the block-mask tables: empty samples, block-sized and
+    off-by-one samples, padding blocks, no tokens at all, one sample, small blocks."""
+    from freescale.models.sequence import flex_bucket
+
+    for trial in range(8):
+        b = int(torch.randint(1, 12, (1,), generator=gen))
+        lengths = torch.randint(0, 300, (b,), generator=gen)
+        if trial % 3 == 0:
+            lengths = torch.cat([lengths, torch.tensor([128, 256, 1, 0, 127, 129, 0])])
+        t = int(lengths.sum())
+        tp = flex_bucket(t) if trial % 2 else -(-max(t, 1) // 128) * 128 + 128 * (trial % 3)
+        yield lengths, tp, 128
+    yield torch.zeros(5, dtype=torch.int64), 256, 128  # no tokens: padding only
+    yield torch.tensor([300]), 384, 128  # one sample
+    yield torch.tensor([], dtype=torch.int64), 128, 128  # no samples
+    for block in (1, 2, 16):
+        yield torch.tensor([3, 0, 5, 1, 0, 7]), 32, block
+
+
+@needs_triton
+def test_block_mask_tables_triton_matches_reference(gen):
+    """The flex block mask's tables from the two Triton kernels (the CUDA path of
+    models.sequence.block_mask_tables) equal the PyTorch reference: every table, dtype
+    and shape, int32 and int64 lengths, on fresh random jagged lengths."""
+    from freescale.kernels.block_mask import block_mask_tables_triton
+    from freescale.models.sequence import _TABLE_NAMES, block_mask_tables_reference
+
+    for lengths, tp, block in _block_mask_cases(gen):
+        t = int(lengths.sum())
+        ref = block_mask_tables_reference(lengths, tp, t, block)
+        for dt in (torch.int64, torch.int32):
+            got = block_mask_tables_triton(lengths.to(dt), tp, t, block)
+            assert len(got) == len(ref) == len(_TABLE_NAMES)
+            for name, x, y in zip(_TABLE_NAMES, got, ref, strict=True):
+                where = (name, lengths.tolist(), tp, block, dt)
+                assert x.dtype == y.dtype and x.shape == y.shape, where
+                assert torch.equal(x, y), where
+
+
+@needs_triton
+def test_block_mask_tables_triton_rejects_bad_arguments():
+    from freescale.kernels.block_mask import block_mask_tables_triton
+
+    lengths = torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="power of two"):
+        block_mask_tables_triton(lengths, 96, 8, 96)
+    with pytest.raises(ValueError, match="dividing the padded token count"):
+        block_mask_tables_triton(lengths, 100, 8, 128)
+    with pytest.raises(ValueError, match="token count 200 not in"):
+        block_mask_tables_triton(lengths, 128, 200, 128)
+
+
+def test_block_mask_first_use_check_catches_a_wrong_table():
+    """The once-per-process comparison behind the CUDA path accepts the reference's own
+    tables and names the table when one entry is off by one (the mutation it exists
+    to catch)."""
+    from freescale.models import sequence as seq
+
+    lengths = torch.tensor([130, 0, 7, 300])
+    t, tp = int(lengths.sum()), 512
+    good = seq.block_mask_tables_reference(lengths, tp, t, 128)
+    seq._first_use_check(good, lengths, tp, t, 128)  # equal: no error
+    for k, name in enumerate(seq._TABLE_NAMES):
+        bad = [x.clone() for x in good]
+        bad[k].view(-1)[-1] += 1
+        with pytest.raises(RuntimeError, match=f"Triton table '{name}' differs"):
+            seq._first_use_check(tuple(bad), lengths, tp, t, 128)

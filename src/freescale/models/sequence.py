@@ -29,7 +29,14 @@ from torch import nn
 
 from ..config import ModelConfig
 
-__all__ = ["SequenceRecModel", "jagged_attention", "flex_bucket", "document_causal_block_mask"]
+__all__ = [
+    "SequenceRecModel",
+    "jagged_attention",
+    "flex_bucket",
+    "document_causal_block_mask",
+    "block_mask_tables",
+    "block_mask_tables_reference",
+]
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -103,6 +110,9 @@ def flex_bucket(n: int, quantum: int = 4 * FLEX_BLOCK) -> int:
         b *= 2
 
 
+BLOCK_MASK_ENV_VAR = "FREESCALE_BLOCK_MASK"  # "reference": the PyTorch tables on CUDA too
+
+
 def document_causal_block_mask(
     lengths: torch.Tensor,
     tp: int,
@@ -121,12 +131,89 @@ def document_causal_block_mask(
     ``total``: ``sum(lengths)`` when the caller knows it (the token count); saves a
     device-to-host sync on CUDA. ``analytic_q`` (default): the query-side indices from
     the same bounds (`_transposed_blocks`); False: torch's generic transpose (the
-    reference the tests compare with)."""
+    reference the tests compare with).
+
+    The tables come from :func:`block_mask_tables`: on CUDA three launches
+    (`kernels.block_mask`), elsewhere (or with ``FREESCALE_BLOCK_MASK=reference``) the
+    PyTorch reference, :func:`block_mask_tables_reference`."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    t = int(lengths.sum()) if total is None else int(total)
+    if analytic_q:
+        docm, *kv_q = block_mask_tables(lengths, tp, t, block)
+        kv, q = kv_q[:4], kv_q[4:]
+    else:
+        docm, *kv_q = block_mask_tables_reference(lengths, tp, t, block, with_q=False)
+        kv = kv_q
+
+    def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
+        return (docm[qi] == docm[ki]) & (qi >= ki)
+
+    if not analytic_q:
+        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
+    try:
+        return BlockMask(
+            seq_lengths=(tp, tp), kv_num_blocks=kv[0], kv_indices=kv[1],
+            full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
+            q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
+            BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+        )  # fmt: skip
+    except TypeError:  # a torch whose BlockMask takes other arguments: let it transpose
+        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
+
+
+def block_mask_tables(
+    lengths: torch.Tensor, tp: int, total: int, block: int = FLEX_BLOCK
+) -> tuple[torch.Tensor, ...]:
+    """The document-causal mask's tables (see :func:`block_mask_tables_reference`): the
+    Triton version on CUDA (`kernels.block_mask.block_mask_tables_triton`, 3 launches
+    instead of ~90 ops), the reference elsewhere or with ``FREESCALE_BLOCK_MASK=
+    reference``. Equal tensors either way (integers only); the first Triton call of a
+    process is also computed by the reference and compared (:func:`_first_use_check`)."""
+    if lengths.is_cuda and tp > 0 and os.environ.get(BLOCK_MASK_ENV_VAR, "auto") != "reference":
+        from freescale.kernels.block_mask import TOKENS_PER_PROGRAM, block_mask_tables_triton
+
+        if block & (block - 1) == 0 and block <= TOKENS_PER_PROGRAM and tp % block == 0:
+            out = block_mask_tables_triton(lengths, tp, total, block)
+            if not _BLOCK_MASK_CHECKED:
+                _first_use_check(out, lengths, tp, total, block)
+            return out
+    return block_mask_tables_reference(lengths, tp, total, block)
+
+
+_BLOCK_MASK_CHECKED: list[bool] = []  # non-empty once the first Triton call was compared
+_TABLE_NAMES = ("docm", "kv_num", "kv_idx", "full_kv_num", "full_kv_idx")
+_TABLE_NAMES += ("q_num", "q_idx", "full_q_num", "full_q_idx")
+
+
+def _first_use_check(
+    out: tuple[torch.Tensor, ...], lengths: torch.Tensor, tp: int, total: int, block: int
+) -> None:
+    """Compare the Triton tables with the reference once per process (one extra mask
+    build and one read-back): a kernel that computes wrong tables on this GPU / Triton
+    raises here, before any attention reads its mask."""
+    ref = block_mask_tables_reference(lengths, tp, total, block)
+    for name, x, y in zip(_TABLE_NAMES, out, ref, strict=True):
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            raise RuntimeError(
+                f"block mask: the Triton table {name!r} differs from the reference "
+                f"({lengths.numel()} samples, {total} tokens padded to {tp}); set "
+                f"{BLOCK_MASK_ENV_VAR}=reference to train with the PyTorch tables"
+            )
+    _BLOCK_MASK_CHECKED.append(True)
+
+
+def block_mask_tables_reference(
+    lengths: torch.Tensor, tp: int, total: int, block: int = FLEX_BLOCK, with_q: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """The plain PyTorch tables of the document-causal block mask (the semantics the
+    Triton version matches): ``docm`` [tp] int64 (the sample of each token, ``-1 - k``
+    for the k-th padding token), then kv_num [1, 1, nb], kv_idx [1, 1, nb, nb], full
+    kv_num, full kv_idx and, with ``with_q``, the query side in the same four forms
+    (`_transposed_blocks`), all int32; ``nb = tp // block``, ``total = sum(lengths)``."""
     dev = lengths.device
     lengths = lengths.to(torch.int64)
-    t = int(lengths.sum()) if total is None else int(total)
+    t = int(total)
     nb = tp // block
     doc = torch.full((tp,), -1, dtype=torch.int64, device=dev)
     start_of = torch.arange(tp, dtype=torch.int64, device=dev)  # padding: own "doc"
@@ -153,28 +240,15 @@ def document_causal_block_mask(
     full_idx = full_idx.clamp(max=clamp).to(torch.int32)
     docm = doc.clone()
     docm[t:] = -1 - torch.arange(tp - t, device=dev)  # padding attends only to itself
-
-    def mask_mod(bi, hi, qi, ki):  # noqa: ARG001
-        return (docm[qi] == docm[ki]) & (qi >= ki)
-
     kv = (
         n_part.to(torch.int32).view(1, 1, nb),
         part_idx.view(1, 1, nb, nb),
         n_full.to(torch.int32).view(1, 1, nb),
         full_idx.view(1, 1, nb, nb),
     )
-    if not analytic_q:
-        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
-    q = _transposed_blocks(pstart, fstart)
-    try:
-        return BlockMask(
-            seq_lengths=(tp, tp), kv_num_blocks=kv[0], kv_indices=kv[1],
-            full_kv_num_blocks=kv[2], full_kv_indices=kv[3], q_num_blocks=q[0],
-            q_indices=q[1], full_q_num_blocks=q[2], full_q_indices=q[3],
-            BLOCK_SIZE=(block, block), mask_mod=mask_mod,
-        )  # fmt: skip
-    except TypeError:  # a torch whose BlockMask takes other arguments: let it transpose
-        return BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=block, mask_mod=mask_mod)
+    if not with_q:
+        return (docm, *kv)
+    return (docm, *kv, *_transposed_blocks(pstart, fstart))
 
 
 def _transposed_blocks(
