@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from freescale.pipeline.bench_e2e import run_environment
+
 
 def figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
     """The keys every figure file starts with; rows and headline are the caller's."""
@@ -23,6 +25,7 @@ def figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
         "git_sha": git_sha,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
+        "environment": run_environment(),
         "torch": torch.__version__,
     }
 

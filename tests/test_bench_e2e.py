@@ -79,7 +79,7 @@ def test_e2e_report_numerics(pool2, tmp_path):
         assert os.path.getsize(tmp_path / name) > 0
     on_disk = json.loads((tmp_path / "e2e.json").read_text())
     assert on_disk["figure"] == "e2e"
-    for key in ("device", "git_sha", "date", "command", "rows", "headline"):
+    for key in ("device", "git_sha", "date", "command", "environment", "rows", "headline"):
         assert key in on_disk, key
     assert [r["variant"] for r in on_disk["rows"]] == list(VARIANTS)
     assert {"qps_ratio", "ne_rel_diff"} <= set(on_disk["headline"])
@@ -201,6 +201,24 @@ def test_e2e_report_numerics(pool2, tmp_path):
     other = {**res[0], "config": {**res[0]["config"], "seed": 99}}
     with pytest.raises(ValueError, match="different config"):
         merge_results(on_disk, other)
+
+
+def test_report_records_the_switches_the_command_line_does_not_show(monkeypatch):
+    """A run's FREESCALE_* / NCCL_* / Triton settings change what it measures (e.g.
+    FREESCALE_BLOCK_MASK=reference): the report lists them, JSON and Markdown."""
+    from freescale.pipeline.bench_e2e import _markdown, run_environment
+
+    monkeypatch.setenv("FREESCALE_BLOCK_MASK", "reference")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("FREESCALE_GIT_SHA", "abc")  # reported as git_sha, not here
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "1")
+    env = run_environment()
+    assert env["FREESCALE_BLOCK_MASK"] == "reference" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert "FREESCALE_GIT_SHA" not in env and "HOME_OF_SOMETHING_ELSE" not in env
+    assert list(env) == sorted(env)
+    report = {"device": "cpu", "world_size": 1, "date": "d", "git_sha": "abc"}
+    report |= {"environment": env, "rows": [], "headline": {}}
+    assert "`FREESCALE_BLOCK_MASK=reference`" in _markdown(report)
 
 
 def test_diagnostic_variants_force_one_setting_only():

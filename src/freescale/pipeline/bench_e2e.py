@@ -554,6 +554,21 @@ def _describe_device(device: str, backend: str | None) -> str:
     return f"{name}; {backend or 'single'}"
 
 
+ENV_PREFIXES = ("FREESCALE_", "NCCL_", "TORCH_SYMM_MEM_", "TRITON_", "CUDA_VISIBLE_DEVICES")
+
+
+def run_environment() -> dict[str, str]:
+    """The environment variables that change what a run measures (FreeScale's switches,
+    e.g. ``FREESCALE_BLOCK_MASK``, and NCCL / Triton / device settings), sorted; the git
+    sha override is reported as ``git_sha`` instead. A report's command line alone does
+    not show them."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(ENV_PREFIXES) and k != "FREESCALE_GIT_SHA"
+    }
+
+
 def _git_sha() -> str | None:
     """``FREESCALE_GIT_SHA`` when set (a copied tree's .git may be stale), else HEAD."""
     env = os.environ.get("FREESCALE_GIT_SHA")
@@ -896,6 +911,11 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['date']}, git {report.get('git_sha') or 'unknown'}",
         "",
+    ]
+    env = report.get("environment") or {}
+    if env:
+        lines += ["Environment: " + ", ".join(f"`{k}={v}`" for k, v in env.items()), ""]
+    lines += [
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
@@ -1077,6 +1097,7 @@ def write_report(
         "git_sha": _git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command or result.get("command") or " ".join(sys.argv),
+        "environment": run_environment(),
         "variants": [r["variant"] for r in rows],
         "rows": rows,
         "repeat_rows": repeat_rows,
