@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from freescale.kernels.common import cdiv, next_power_of_2
-from freescale.kernels.reference import exclusive_cumsum
 
 __all__ = ["segment_tree_sum", "mask_positions_triton", "mask_partition_triton", "SUPPORTED_DTYPES"]
 
@@ -62,7 +61,7 @@ def _chunk_tree_kernel(
     level's input)."""
     j = tl.program_id(0)
     live = j < tl.load(chunk_first_ptr + num_segments)  # grid is an upper bound
-    seg = tl.load(chunk_seg_ptr + j)
+    seg = tl.load(chunk_seg_ptr + j, mask=live, other=0)  # dead slots: never written
     m = j - tl.load(chunk_first_ptr + seg)
     start = tl.load(starts_ptr + seg)
     count = tl.load(counts_ptr + seg)
@@ -96,6 +95,55 @@ def _chunk_tree_kernel(
     tl.store(dst + row * dim + cols, total, mask=cmask & live)
 
 
+@triton.jit(do_not_specialize=["num_segments"])
+def _level_counts_kernel(
+    counts_ptr,
+    prev_first_ptr,
+    counts_out_ptr,
+    chunk_first_ptr,
+    num_segments,
+    FIRST: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """One level's per-segment counts and chunk counts. FIRST: a segment's count is
+    ``counts[s]``; later levels: its previous level's chunk count ``prev_first[s + 1] -
+    prev_first[s]`` when above 1 (still unfinished), else 0, written to ``counts_out``.
+    Writes ``chunk_first[0] = 0`` and ``chunk_first[1 + s] = ceil(count / CHUNK)``; an
+    in-place cumsum then makes it the exclusive prefix (each segment's first chunk)."""
+    seg = tl.program_id(0) * BS + tl.arange(0, BS)
+    m = seg < num_segments
+    if FIRST:
+        c = tl.load(counts_ptr + seg, mask=m, other=0).to(tl.int64)
+    else:
+        hi = tl.load(prev_first_ptr + seg + 1, mask=m, other=0)
+        c = hi - tl.load(prev_first_ptr + seg, mask=m, other=0)
+        c = tl.where(c > 1, c, 0)
+        tl.store(counts_out_ptr + seg, c, mask=m)
+    tl.store(chunk_first_ptr + 1 + seg, (c + (CHUNK - 1)) // CHUNK, mask=m)
+    tl.store(chunk_first_ptr + seg, tl.zeros_like(seg).to(tl.int64), mask=seg == 0)
+
+
+@triton.jit(do_not_specialize=["num_segments", "grid"])
+def _chunk_owner_kernel(chunk_first_ptr, chunk_seg_ptr, num_segments, grid, BS: tl.constexpr):
+    """``chunk_seg[j] = s`` for every chunk j of segment s (j in [chunk_first[s],
+    chunk_first[s + 1]), j < grid): one writer per chunk; a program loops as many times
+    as its longest segment has chunks (1 for most)."""
+    seg = tl.program_id(0) * BS + tl.arange(0, BS)
+    m = seg < num_segments
+    first = tl.load(chunk_first_ptr + seg, mask=m, other=0)
+    n = tl.load(chunk_first_ptr + seg + 1, mask=m, other=0) - first
+    kmax = tl.max(n, axis=0)
+    k = 0
+    while k < kmax:  # (a while loop: the interpreter cannot take a tensor range bound)
+        j = first + k
+        tl.store(chunk_seg_ptr + j, seg.to(tl.int64), mask=m & (k < n) & (j < grid))
+        k += 1
+
+
+_SEG_BLOCK = 1024  # segments per program of the two table kernels
+
+
 def segment_tree_sum(
     values: torch.Tensor,
     order: torch.Tensor,
@@ -110,7 +158,8 @@ def segment_tree_sum(
     [N, D] (or [N]); ``max_count`` is ``counts.max()`` or an upper bound of it (known on
     the host: no read-back). Rows of empty segments (count 0) are left unwritten
     (uninitialised memory). ``chunk`` (a power of two >= 2) only changes speed, never
-    the result."""
+    the result. Five launches per level: the counts kernel, an in-place cumsum (two
+    kernels), the chunk-owner kernel, the tree kernel."""
     if chunk < 2 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 2, got {chunk}")
     if values.dtype not in SUPPORTED_DTYPES:
@@ -120,32 +169,32 @@ def segment_tree_sum(
     u = counts.numel()
     if u == 0:
         return values.new_zeros((0, *values.shape[1:]))
+    dev = flat.device
     bd = min(128, next_power_of_2(max(dim, 1)))
     log_chunk = chunk.bit_length() - 1
     src, gather = flat, order.to(torch.int64).contiguous()
-    starts, counts = starts.to(torch.int64), counts.to(torch.int64)
+    starts, counts = starts.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
     longest = max(int(max_count), 1)
-    res = torch.empty(u, dim, dtype=flat.dtype, device=flat.device)
+    res = torch.empty(u, dim, dtype=flat.dtype, device=dev)
+    seg_grid = (cdiv(u, _SEG_BLOCK),)
     # host-known bounds of this level: elements in unfinished segments (m), unfinished
     # segments (k); a segment of c elements has ceil(c / chunk) <= c // chunk + 1 chunks
     m, k = n, min(u, n)
-    first = True
+    first, prev_first = True, None
     while True:
-        per_seg = torch.div(counts + (chunk - 1), chunk, rounding_mode="floor")
-        chunk_first = exclusive_cumsum(per_seg)
+        chunk_first = torch.empty(u + 1, dtype=torch.int64, device=dev)
+        level_counts = counts if first else torch.empty(u, dtype=torch.int64, device=dev)
+        _level_counts_kernel[seg_grid](
+            counts, chunk_first if first else prev_first, level_counts, chunk_first, u,
+            FIRST=first, CHUNK=chunk, BS=_SEG_BLOCK,
+        )  # fmt: skip
+        chunk_first.cumsum_(0)
         grid = max(min(m, m // chunk + k), 1)  # chunks this level (no read-back)
-        # segment of every chunk: s at chunk_first[s], carried forward by a running max
-        # (no per-program binary search: its dependent loads dominated on an H200). Empty
-        # segments share their chunk_first with the next non-empty one: the max keeps
-        # the non-empty (last) one; chunk_first past the grid lands in a dropped slot
-        chunk_seg = torch.zeros(grid + 1, dtype=torch.int64, device=flat.device)
-        chunk_seg.scatter_reduce_(
-            0, chunk_first[:-1].clamp(max=grid), torch.arange(u, device=flat.device), "amax"
-        )
-        chunk_seg = torch.cummax(chunk_seg[:grid], 0).values
-        out = torch.empty(grid, dim, dtype=flat.dtype, device=flat.device)
+        chunk_seg = torch.empty(grid, dtype=torch.int64, device=dev)
+        _chunk_owner_kernel[seg_grid](chunk_first, chunk_seg, u, grid, BS=_SEG_BLOCK)
+        out = torch.empty(grid, dim, dtype=flat.dtype, device=dev)
         _chunk_tree_kernel[(grid, cdiv(dim, bd))](
-            src, gather, starts, counts, chunk_first, chunk_seg, out, res, u, dim,
+            src, gather, starts, level_counts, chunk_first, chunk_seg, out, res, u, dim,
             GATHER=first, IS64=flat.dtype == torch.float64, CHUNK=chunk, LOG_CHUNK=log_chunk, BD=bd,
         )  # fmt: skip
         # segments of more than one chunk go on with their chunk sums; the others are done
@@ -154,9 +203,9 @@ def segment_tree_sum(
         m = min(grid, m // chunk + k)
         if longest <= 1 or k == 0:
             return res.reshape(u, *values.shape[1:])
-        src, first = out, False
+        src, first, prev_first = out, False, chunk_first
         starts = chunk_first[:-1]
-        counts = torch.where(per_seg > 1, per_seg, 0)
+        counts = level_counts  # unused by the next level's counts kernel (FIRST=False)
 
 
 # ---------------------------------------------------------------------------------------
