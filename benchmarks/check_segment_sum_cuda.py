@@ -1,7 +1,7 @@
 """The per-row gradient sum on CUDA: Triton tree (kernels/segment_tree.py) vs reference.
 
 Also checks the module's `mask_positions_triton` and `mask_partition_triton` against
-``torch.nonzero``.
+``torch.nonzero``, and `run_stats_triton` against `embedding.reduce.run_stats_reference`.
 
 Checks `segment_tree_sum` bitwise against `embedding.reduce.segment_sum_reference` on
 fresh random inputs (signed zeros, long hot-row segments, float32 and float64), then
@@ -90,6 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         ok &= same
         rows.append({"op": "mask_partition", "n": n, "p": p, "equal_to_nonzero": same})
         print(json.dumps(rows[-1]), flush=True)
+    # run stats of sorted keys (group_rows_start's CUDA path) against the reference
+    from freescale.embedding.reduce import run_stats_reference
+    from freescale.kernels.segment_tree import run_stats_triton
+
+    for n, nrows in ((1, 1), (1024, 1), (1025, 3), (435_000, 1_000_000), (5_000_000, 1000)):
+        sk = torch.sort(zipf_keys(n, nrows, 0.6, gen).to(dev)).values
+        ref_start, ref_stats = run_stats_reference(sk)
+        for kw in ({}, {"block": 256, "chunk": 8}):
+            got_start, got_stats = run_stats_triton(sk, **kw)
+            same = bool(torch.equal(got_start, ref_start) and torch.equal(got_stats, ref_stats))
+            ok &= same
+            rows.append({"op": "run_stats", "n": n, "rows": nrows, **kw, "equal": same,
+                         "stats": ref_stats.tolist()})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     big = next(r for r in rows if r.get("n_ids") == 435_000)
     res = {
         **figure_header("segment_sum", a.git_sha),

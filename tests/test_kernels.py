@@ -569,6 +569,39 @@ def test_segment_tree_sum_on_padded_groups(gen):
             assert torch.equal(_bits(got[:u]), _bits(ref)), (keys.numel(), chunk)
 
 
+def _sorted_key_cases(gen: torch.Generator) -> list[torch.Tensor]:
+    """Sorted int64 keys: one key, all equal (one run over many blocks), all distinct,
+    runs ending exactly at block borders, and fresh random Zipf-like ones (hot runs that
+    cross several blocks next to many short runs)."""
+    cases = [torch.tensor([7]), torch.full((300,), 3), torch.arange(257) * 2]
+    cases.append(torch.repeat_interleave(torch.arange(20), 16))  # runs of one block
+    cases.append(torch.cat([torch.zeros(1), torch.ones(63), torch.full((64,), 2)]).long())
+    for n in (1, 15, 16, 17, 500, 3000):
+        k = (torch.rand(n, generator=gen) ** 4 * n / 3).long()
+        cases.append(torch.sort(k).values)
+    return cases
+
+
+@needs_triton
+def test_run_stats_triton_matches_reference(gen):
+    """group_rows_start's CUDA path (is_start, [runs, longest run]) equals the PyTorch
+    reference on fresh sorted keys, with blocks of 16 keys and chunks of 4 blocks (many
+    blocks and chunks, runs across them) and at the default sizes."""
+    from freescale.embedding.reduce import run_stats_reference
+    from freescale.kernels.segment_tree import run_stats_triton
+
+    for keys in _sorted_key_cases(gen):
+        ref_start, ref_stats = run_stats_reference(keys)
+        for kw in ({"block": 16, "chunk": 4}, {"block": 2, "chunk": 2}, {}):
+            got_start, got_stats = run_stats_triton(keys, **kw)
+            assert torch.equal(got_start, ref_start), (keys.numel(), kw)
+            assert torch.equal(got_stats, ref_stats), (keys.numel(), kw, got_stats, ref_stats)
+    with pytest.raises(ValueError, match="power of two"):
+        run_stats_triton(torch.arange(4), block=3)
+    with pytest.raises(ValueError, match="at least one key"):
+        run_stats_triton(torch.zeros(0, dtype=torch.int64))
+
+
 def _mask_cases(gen: torch.Generator) -> list[torch.Tensor]:
     """Bool masks: empty, all set, none set, tiny, and fresh random ones of 1-5 blocks."""
     masks = [torch.zeros(0, dtype=torch.bool), torch.ones(5, dtype=torch.bool)]

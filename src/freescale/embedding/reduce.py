@@ -42,6 +42,8 @@ __all__ = [
     "mask_partition_reference",
     "mask_positions",
     "mask_positions_reference",
+    "run_stats",
+    "run_stats_reference",
     "segment_sum",
     "segment_sum_reference",
 ]
@@ -205,12 +207,31 @@ def group_rows_start(keys: torch.Tensor, ahead: bool = True) -> PendingRowGroups
         e = keys.new_zeros(0)
         return PendingRowGroups(0, e, e, e.bool(), e, ahead=False)
     sorted_keys, order = torch.sort(keys, stable=True)
-    is_start = torch.ones(n, dtype=torch.bool, device=keys.device)
+    is_start, stats = run_stats(sorted_keys)
+    return PendingRowGroups(n, order, sorted_keys, is_start, stats, ahead)
+
+
+def run_stats(sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``is_start`` (where a run of equal keys begins) and int64 ``[number of runs,
+    longest run]`` of a sorted, non-empty 1-D int64 tensor, on its device: two Triton
+    launches on CUDA (`kernels.segment_tree.run_stats_triton`, unless
+    ``FREESCALE_SEGMENT_SUM=reference``), :func:`run_stats_reference` elsewhere."""
+    if sorted_keys.is_cuda and os.environ.get(SEGMENT_SUM_ENV_VAR, "auto") != "reference":
+        from freescale.kernels.segment_tree import run_stats_triton
+
+        return run_stats_triton(sorted_keys)
+    return run_stats_reference(sorted_keys)
+
+
+def run_stats_reference(sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain PyTorch :func:`run_stats` (about ten ops)."""
+    n = sorted_keys.numel()
+    is_start = torch.ones(n, dtype=torch.bool, device=sorted_keys.device)
     is_start[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    idx = torch.arange(n, device=keys.device)
+    idx = torch.arange(n, device=sorted_keys.device)
     run_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
     stats = torch.stack([is_start.sum(), (idx - run_start).max() + 1])
-    return PendingRowGroups(n, order, sorted_keys, is_start, stats, ahead)
+    return is_start, stats
 
 
 @dataclass

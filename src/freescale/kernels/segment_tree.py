@@ -31,7 +31,13 @@ import triton.language as tl
 
 from freescale.kernels.common import cdiv, next_power_of_2
 
-__all__ = ["segment_tree_sum", "mask_positions_triton", "mask_partition_triton", "SUPPORTED_DTYPES"]
+__all__ = [
+    "segment_tree_sum",
+    "mask_positions_triton",
+    "mask_partition_triton",
+    "run_stats_triton",
+    "SUPPORTED_DTYPES",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
@@ -270,3 +276,100 @@ def mask_partition_triton(mask: torch.Tensor, count: int) -> torch.Tensor:
     flags = mask.contiguous().view(torch.uint8)
     _partition_kernel[(cdiv(n, block),)](flags, incl, out, n, count, BLOCK=block)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# runs of a sorted key array (group_rows_start's two counts)
+# ---------------------------------------------------------------------------------------
+
+_RUN_BLOCK = 1024  # keys per program of the run-stats kernel
+_RUN_CHUNK = 1024  # blocks per iteration of the one-program total
+
+
+@triton.jit
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_fn(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _run_block_kernel(keys_ptr, is_start_ptr, part_ptr, n, BLOCK: tl.constexpr):
+    """Block b: ``is_start`` of its keys and four int64 partials at ``part[4b:4b+4]``:
+    the number of run starts, the first and the last start's position (n / -1 when the
+    block has none) and the longest stretch from a start in the block to a position in
+    the block (a run's full length when its next start is in the same block)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    k = tl.load(keys_ptr + i, mask=inside, other=0)
+    prev = tl.load(keys_ptr + i - 1, mask=inside & (i > 0), other=0)
+    start = inside & ((i == 0) | (k != prev))
+    tl.store(is_start_ptr + i, start.to(tl.int8), mask=inside)
+    pos = tl.where(start, i, -1)
+    run_start = tl.associative_scan(pos, 0, _max_fn)
+    stretch = tl.where(inside & (run_start >= 0), i - run_start + 1, 0)
+    base = part_ptr + 4 * b
+    tl.store(base, tl.sum(start.to(tl.int64), axis=0))
+    tl.store(base + 1, tl.min(tl.where(start, i, n), axis=0))
+    tl.store(base + 2, tl.max(pos, axis=0))
+    tl.store(base + 3, tl.max(stretch, axis=0))
+
+
+@triton.jit(do_not_specialize=["n", "nblocks"])
+def _run_total_kernel(part_ptr, stats_ptr, n, nblocks, BB: tl.constexpr):
+    """One program: ``stats = [number of runs, longest run]`` from the block partials.
+    The run of a block's last start ends at the first start of the next block that has
+    one (n past the end): blocks are visited last to first, BB at a time, with a
+    prefix minimum over the chunk and the minimum of the chunks already seen (carry)."""
+    total = tl.zeros([BB], dtype=tl.int64)
+    longest = tl.zeros([BB], dtype=tl.int64)
+    carry = n.to(tl.int64)  # first start after the current chunk
+    r = tl.arange(0, BB)
+    c = 0
+    while c * BB < nblocks:  # (a while loop: the interpreter takes no tensor range)
+        blk = nblocks - 1 - (c * BB + r).to(tl.int64)  # r = 0: the chunk's last block
+        ok = blk >= 0
+        base = part_ptr + 4 * blk
+        cnt = tl.load(base, mask=ok, other=0)
+        first = tl.load(base + 1, mask=ok, other=n)
+        last = tl.load(base + 2, mask=ok, other=-1)
+        inner = tl.load(base + 3, mask=ok, other=0)
+        # the first start of block blk + 1 (r - 1 in this chunk; r = 0 takes the carry)
+        following = tl.load(base + 5, mask=ok & (r > 0), other=n)
+        nxt = tl.minimum(tl.associative_scan(following, 0, _min_fn), carry)
+        cross = tl.where(last >= 0, nxt - last, 0)
+        total += cnt
+        longest = tl.maximum(longest, tl.maximum(inner, cross))
+        carry = tl.minimum(carry, tl.min(first, axis=0))
+        c += 1
+    tl.store(stats_ptr, tl.sum(total, axis=0))
+    tl.store(stats_ptr + 1, tl.max(longest, axis=0))
+
+
+def run_stats_triton(
+    sorted_keys: torch.Tensor, *, block: int = _RUN_BLOCK, chunk: int = _RUN_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a sorted 1-D int64 ``sorted_keys`` (n >= 1): ``is_start`` (bool, True where
+    a run of equal keys begins) and ``stats`` = int64 ``[number of runs, longest run]``
+    on the device, in two launches (`embedding.reduce.run_stats_reference`: ~10).
+    ``block`` (keys per program) and ``chunk`` (blocks per step of the total), powers of
+    two, change only the speed (the tests shrink them to cover many blocks/chunks)."""
+    for name, v in (("block", block), ("chunk", chunk)):
+        if v < 2 or v & (v - 1):
+            raise ValueError(f"run_stats_triton: {name} must be a power of two >= 2, got {v}")
+    n = sorted_keys.numel()
+    if n == 0:
+        raise ValueError("run_stats_triton needs at least one key")
+    keys = sorted_keys.contiguous()
+    nblocks = cdiv(n, block)
+    is_start = torch.empty(n, dtype=torch.bool, device=keys.device)
+    part = torch.empty(4 * nblocks, dtype=torch.int64, device=keys.device)
+    stats = torch.empty(2, dtype=torch.int64, device=keys.device)
+    _run_block_kernel[(nblocks,)](keys, is_start.view(torch.int8), part, n, BLOCK=block)
+    bb = min(chunk, next_power_of_2(nblocks))
+    _run_total_kernel[(1,)](part, stats, n, nblocks, BB=bb)
+    return is_start, stats
