@@ -2,7 +2,8 @@
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
 Dispatch is checked for the sort-free kernel (default and small chunks), v1, v3 and v4
 (both lengths paths, the match.any and compare paths, both scatter orders, with weights)
-at W = 1, 2, 8, 64, 1024; and the flex block mask's tables (`kernels/block_mask.py`).
+at W = 1, 2, 8, 64, 1024; the flex block mask's tables (`kernels/block_mask.py`); and the
+fused row-wise Adagrad update (`kernels/sparse_optim.py`).
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py
 """
@@ -149,6 +150,7 @@ def main() -> int:
                     print(f"MISMATCH keyed_transpose w={w} {dt}")
                     bad += 1
     bad += _check_block_mask(g)
+    bad += _check_sparse_optim(g)
     print("kernel check:", "OK" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 
@@ -194,6 +196,55 @@ def _check_block_mask(g: torch.Generator) -> int:
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / 50 * 1e3
         print(f"block_mask {name}: {ms:.3f} ms per call (t={t}, nb={tp // FLEX_BLOCK})")
+    return bad
+
+
+def _check_sparse_optim(g: torch.Generator) -> int:
+    """The fused row-wise Adagrad launch (kernels/sparse_optim.py) against the
+    optimizer's PyTorch arithmetic on the GPU (FREESCALE_SPARSE_OPTIM=reference), bit for
+    bit, over 3 steps at D = 1, 5, 128, 130 and the e2e size (300K of 1M rows, D = 128);
+    then the host time of one update each way (informational)."""
+    import os
+
+    from freescale.config import SparseOptimConfig
+    from freescale.embedding.optim import SPARSE_OPTIM_ENV_VAR, FusedSparseOptimizer
+
+    bad = 0
+    cfg = SparseOptimConfig(kind="rowwise_adagrad", lr=0.0537, eps=1.1e-8)
+    for nrows, dim, touched in ((300, 1, 200), (300, 5, 200), (300, 130, 200),
+                                (1_000_000, 128, 300_000)):  # fmt: skip
+        w0 = torch.randn(nrows, dim, device="cuda", generator=g) * 0.3
+        fast, ref = FusedSparseOptimizer(cfg, w0.clone()), FusedSparseOptimizer(cfg, w0.clone())
+        for step in range(1, 4):
+            rows = torch.randperm(nrows, device="cuda", generator=g)[:touched]
+            grad = torch.randn(touched, dim, device="cuda", generator=g)
+            grad *= torch.exp(torch.randn(touched, 1, device="cuda", generator=g) * 4)
+            fast.step(rows, grad, step=step, lr=cfg.lr / step)
+            os.environ[SPARSE_OPTIM_ENV_VAR] = "reference"
+            try:
+                ref.step(rows, grad, step=step, lr=cfg.lr / step)
+            finally:
+                del os.environ[SPARSE_OPTIM_ENV_VAR]
+        same = torch.equal(fast.weight.view(torch.int32), ref.weight.view(torch.int32))
+        same &= torch.equal(
+            fast.state["sum_sq"].view(torch.int32), ref.state["sum_sq"].view(torch.int32)
+        )
+        if not same:
+            print(f"MISMATCH sparse_optim rows={nrows} dim={dim}")
+            bad += 1
+    for name, env in (("reference", "reference"), ("triton", "auto")):
+        os.environ[SPARSE_OPTIM_ENV_VAR] = env
+        try:
+            fast.step(rows, grad, step=4)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fast.step(rows, grad, step=4)
+            torch.cuda.synchronize()
+        finally:
+            del os.environ[SPARSE_OPTIM_ENV_VAR]
+        ms = (time.perf_counter() - t0) / 50 * 1e3
+        print(f"sparse_optim {name}: {ms:.3f} ms per update (300K rows x 128, with a sync)")
     return bad
 
 

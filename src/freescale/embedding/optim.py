@@ -18,15 +18,20 @@ change with the number of rows). Weight decay, when set, is decoupled (``w -= lr
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..config import SparseOptimConfig
 
-__all__ = ["FusedSparseOptimizer", "row_mean_fixed_order"]
+__all__ = ["FusedSparseOptimizer", "row_mean_fixed_order", "sqrt_rn", "SPARSE_OPTIM_ENV_VAR"]
+
+SPARSE_OPTIM_ENV_VAR = "FREESCALE_SPARSE_OPTIM"  # auto (Triton on CUDA) | reference
 
 
 def row_mean_fixed_order(x: torch.Tensor) -> torch.Tensor:
-    """Mean over dim 1 of ``[U, D]`` by a fixed pairwise tree (zero-padded to 2^k)."""
+    """Mean over dim 1 of ``[U, D]`` by a fixed pairwise tree (zero-padded to 2^k), then
+    one IEEE division by D."""
     d = x.shape[1]
     width = 1
     while width < d:
@@ -36,7 +41,20 @@ def row_mean_fixed_order(x: torch.Tensor) -> torch.Tensor:
     while x.shape[1] > 1:
         half = x.shape[1] // 2
         x = x[:, :half] + x[:, half:]
-    return x[:, 0] / d
+    # a tensor divisor: IEEE division on every device (CUDA turns a Python-number
+    # divisor into a multiplication by its rounded reciprocal)
+    return x[:, 0] / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root on every device: CUDA's ``torch.sqrt`` is; the
+    CPU build's vectorised float32 ``sqrt`` is not always (measured: ~15% of random
+    inputs off by one ulp), so float32 on CPU goes through float64 (exact rounding:
+    53 >= 2 * 24 + 2 bits). The fused CUDA update (`kernels.sparse_optim`) uses IEEE
+    ``sqrt_rn`` too, so the CPU tests compare the same arithmetic."""
+    if x.dtype == torch.float32 and not x.is_cuda:
+        return torch.sqrt(x.double()).float()
+    return torch.sqrt(x)
 
 
 class FusedSparseOptimizer:
@@ -62,6 +80,11 @@ class FusedSparseOptimizer:
             return
         cfg = self.cfg
         lr = cfg.lr if lr is None else lr
+        if self._fused(grad):
+            from freescale.kernels.sparse_optim import rowwise_adagrad_triton
+
+            rowwise_adagrad_triton(self.weight, self.state["sum_sq"], rows, grad, lr, cfg.eps)
+            return
         w = self.weight.index_select(0, rows)
         grad = grad.to(w.dtype)
         if cfg.kind == "sgd":
@@ -70,7 +93,7 @@ class FusedSparseOptimizer:
         elif cfg.kind == "rowwise_adagrad":
             s = self.state["sum_sq"].index_select(0, rows) + row_mean_fixed_order(grad * grad)
             self.state["sum_sq"].index_copy_(0, rows, s)
-            mult = lr / (torch.sqrt(s) + cfg.eps)
+            mult = lr / (sqrt_rn(s) + cfg.eps)  # = (sqrt(s) + eps).reciprocal() * lr
             new_w = w - mult.unsqueeze(1) * grad
         else:  # adam
             if step < 1:
@@ -87,6 +110,20 @@ class FusedSparseOptimizer:
         if cfg.weight_decay:
             new_w = new_w - lr * cfg.weight_decay * w
         self.weight.index_copy_(0, rows, new_w)
+
+    def _fused(self, grad: torch.Tensor) -> bool:
+        """Whether this update runs as one Triton launch (`kernels.sparse_optim`, the
+        same bits): row-wise Adagrad without weight decay on a float32 CUDA shard,
+        unless ``FREESCALE_SPARSE_OPTIM=reference``."""
+        mode = os.environ.get(SPARSE_OPTIM_ENV_VAR, "auto")
+        if mode not in ("auto", "reference"):
+            raise ValueError(f"{SPARSE_OPTIM_ENV_VAR} must be auto or reference, got {mode!r}")
+        w = self.weight
+        if not (w.is_cuda and w.dtype == torch.float32 and w.is_contiguous()):
+            return False
+        if self.cfg.kind != "rowwise_adagrad" or self.cfg.weight_decay:
+            return False
+        return mode == "auto" and grad.dim() == 2
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state)

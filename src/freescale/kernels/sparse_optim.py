@@ -1,0 +1,112 @@
+"""Triton fast path of the owner's row-wise Adagrad update (`embedding.optim`).
+
+Owns one kernel: for each unique local row r with summed gradient g (one step),
+
+    s      = sum_sq[r] + tree_mean(g * g)
+    mult   = reciprocal(sqrt(s) + eps) * lr
+    w[r]   = w[r] - mult * g
+
+in one launch, where the reference (`embedding.optim.rowwise_adagrad_reference`) runs
+~20 PyTorch ops (gathers, the 7-level column tree, the arithmetic, two scatters).
+Bit-for-bit the same arithmetic, rounding step by rounding step:
+
+* ``tree_mean`` is `embedding.optim.row_mean_fixed_order`: zero-pad the columns to a
+  power of two, then repeatedly add the right half to the left half, then divide by D;
+* ``lr / t`` in PyTorch is ``t.reciprocal() * lr`` (``Tensor.__rtruediv__``): two
+  roundings, kept here; Python floats (lr, eps) are rounded to the weight's dtype first,
+  as PyTorch does with a scalar operand;
+* every division and square root is IEEE round-to-nearest (``tl.div_rn``,
+  ``tl.sqrt_rn``; Triton's defaults are approximate on NVIDIA GPUs), and the launch
+  disables floating-point contraction (``enable_fp_fusion=False``), so no multiply and
+  add is fused into one FMA that PyTorch's separate kernels round twice.
+
+Rows must be unique (one writer per row: the caller passes the distinct rows of a step).
+On CPU tensors this module needs ``TRITON_INTERPRET=1`` set before triton is first
+imported (tests); `benchmarks/check_sparse_update_cuda.py` compares it with the
+reference bit for bit on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freescale.kernels.common import cdiv, next_power_of_2
+
+__all__ = ["rowwise_adagrad_triton"]
+
+
+@triton.jit(do_not_specialize=["n_rows", "dim"])
+def _rowwise_adagrad_kernel(
+    w_ptr,
+    s_ptr,
+    rows_ptr,
+    g_ptr,
+    n_rows,
+    dim,
+    lr,
+    eps,
+    BR: tl.constexpr,
+    WIDTH: tl.constexpr,
+    LOG_WIDTH: tl.constexpr,
+):
+    """Rows [pid * BR, (pid + 1) * BR) of the update; WIDTH = D padded to a power of 2;
+    ``lr`` and ``eps`` arrive as float32 scalars."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    im = i < n_rows
+    r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
+    c = tl.arange(0, WIDTH)
+    m2 = im[:, None] & (c < dim)[None, :]
+    g = tl.load(g_ptr + i[:, None] * dim + c[None, :], mask=m2, other=0.0)
+    w = tl.load(w_ptr + r[:, None] * dim + c[None, :], mask=m2, other=0.0)
+    # the column tree: x[:, :half] + x[:, half:] until one column (padding adds +0.0)
+    x = g * g
+    for lvl in tl.static_range(LOG_WIDTH):
+        pair = tl.reshape(x, [BR, 2, WIDTH >> (lvl + 1)])  # [row, (left, right), j]
+        pair = tl.permute(pair, (0, 2, 1))
+        left, right = tl.split(pair)
+        x = left + right
+    total = tl.reshape(x, [BR])
+    dt = g.dtype
+    mean = tl.div_rn(total, tl.full([BR], dim, dt))
+    s = tl.load(s_ptr + r, mask=im, other=0.0) + mean
+    tl.store(s_ptr + r, s, mask=im)
+    den = tl.sqrt_rn(s) + tl.full([BR], eps, dt)
+    mult = tl.div_rn(tl.full([BR], 1.0, dt), den) * tl.full([BR], lr, dt)
+    upd = mult[:, None] * g
+    tl.store(w_ptr + r[:, None] * dim + c[None, :], w - upd, mask=m2)
+
+
+def rowwise_adagrad_triton(
+    weight: torch.Tensor,
+    sum_sq: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> None:
+    """In place: the row-wise Adagrad update of `embedding.optim` (without weight
+    decay) for unique ``rows`` with summed ``grad`` [len(rows), D]; ``weight`` [R, D]
+    and ``sum_sq`` [R] contiguous float32 (Triton passes Python floats as float32, which
+    is what PyTorch rounds them to for a float32 tensor; float64 stays on the
+    reference)."""
+    if weight.dtype != torch.float32 or sum_sq.dtype != torch.float32:
+        raise TypeError(
+            f"rowwise_adagrad_triton: weight and state must be float32, got "
+            f"{weight.dtype} / {sum_sq.dtype}"
+        )
+    if not (weight.is_contiguous() and sum_sq.is_contiguous()) or weight.dim() != 2:
+        raise ValueError("rowwise_adagrad_triton: weight [R, D] and sum_sq [R] must be contiguous")
+    n, dim = rows.numel(), weight.shape[1]
+    if grad.shape != (n, dim):
+        raise ValueError(f"rowwise_adagrad_triton: grad {tuple(grad.shape)} != ({n}, {dim})")
+    if n == 0:
+        return
+    g = grad.to(torch.float32).contiguous()
+    width = next_power_of_2(max(dim, 1))
+    br = max(1, min(64, 4096 // width))  # ~4K elements per program
+    _rowwise_adagrad_kernel[(cdiv(n, br),)](
+        weight, sum_sq, rows.contiguous(), g, n, dim, float(lr), float(eps),
+        BR=br, WIDTH=width, LOG_WIDTH=width.bit_length() - 1, enable_fp_fusion=False,
+    )  # fmt: skip
