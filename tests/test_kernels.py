@@ -574,7 +574,8 @@ def test_rowwise_adagrad_triton_matches_the_optimizer_bitwise(gen):
     """The fused row-wise Adagrad launch (embedding.optim's CUDA path) leaves weight and
     state bit-for-bit equal to FusedSparseOptimizer's PyTorch arithmetic, on fresh random
     rows / gradients (D = 1, 5, 128, 130: padded and exact trees; tiny and large
-    gradients; lr and eps not representable in float32), over three updates."""
+    gradients; lr and eps not representable in float32), over three updates, one of
+    them with the padded update's repeated last row (150 copies: across programs)."""
     from freescale.config import SparseOptimConfig
     from freescale.embedding.optim import FusedSparseOptimizer
     from freescale.kernels.sparse_optim import rowwise_adagrad_triton
@@ -589,6 +590,9 @@ def test_rowwise_adagrad_triton_matches_the_optimizer_bitwise(gen):
             rows = torch.randperm(300, generator=gen)[: int(torch.randint(1, 200, (1,)))]
             g = torch.randn(rows.numel(), dim, generator=gen)
             g *= torch.exp(torch.randn(rows.numel(), 1, generator=gen) * 4)
+            if step == 2:  # the padded update: the last row repeated with its gradient
+                fill = torch.cat([torch.arange(rows.numel()), torch.full((150,), rows.numel() - 1)])
+                rows, g = rows[fill], g[fill]
             lr = cfg.lr / step
             ref.step(rows, g, step=step, lr=lr)
             rowwise_adagrad_triton(w, state, rows, g, lr, cfg.eps)

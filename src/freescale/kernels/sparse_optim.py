@@ -6,8 +6,10 @@ Owns one kernel: for each unique local row r with summed gradient g (one step),
     mult   = reciprocal(sqrt(s) + eps) * lr
     w[r]   = w[r] - mult * g
 
-in one launch, where the reference (`embedding.optim.rowwise_adagrad_reference`) runs
-~20 PyTorch ops (gathers, the 7-level column tree, the arithmetic, two scatters).
+in two launches (all reads and the arithmetic, then the writes), where the optimizer's
+PyTorch path (`embedding.optim.FusedSparseOptimizer` with ``FREESCALE_SPARSE_OPTIM=
+reference``) runs ~20 ops (gathers, the 7-level column tree, the arithmetic, two
+scatters).
 Bit-for-bit the same arithmetic, rounding step by rounding step:
 
 * ``tree_mean`` is `embedding.optim.row_mean_fixed_order`: zero-pad the columns to a
@@ -20,7 +22,11 @@ Bit-for-bit the same arithmetic, rounding step by rounding step:
   disables floating-point contraction (``enable_fp_fusion=False``), so no multiply and
   add is fused into one FMA that PyTorch's separate kernels round twice.
 
-Rows must be unique (one writer per row: the caller passes the distinct rows of a step).
+As in PyTorch's ``index_select`` ... ``index_copy_`` sequence, every read comes before
+any write: a row may be listed more than once when every listing carries the same
+gradient (the padded update repeats its last row), and then each write stores the same
+bits. (One launch that read and wrote would let a later program read a row another
+one had already updated.)
 On CPU tensors this module needs ``TRITON_INTERPRET=1`` set before triton is first
 imported (tests); `benchmarks/check_sparse_update_cuda.py` compares it with the
 reference bit for bit on a GPU.
@@ -43,6 +49,8 @@ def _rowwise_adagrad_kernel(
     s_ptr,
     rows_ptr,
     g_ptr,
+    new_w_ptr,
+    new_s_ptr,
     n_rows,
     dim,
     lr,
@@ -51,8 +59,9 @@ def _rowwise_adagrad_kernel(
     WIDTH: tl.constexpr,
     LOG_WIDTH: tl.constexpr,
 ):
-    """Rows [pid * BR, (pid + 1) * BR) of the update; WIDTH = D padded to a power of 2;
-    ``lr`` and ``eps`` arrive as float32 scalars."""
+    """Entries [pid * BR, (pid + 1) * BR) of the update, read-only on the shard: the new
+    row and state go to ``new_w`` [n, D] / ``new_s`` [n] (entry order); WIDTH = D
+    padded to a power of 2; ``lr`` and ``eps`` arrive as float32 scalars."""
     i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     im = i < n_rows
     r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
@@ -71,11 +80,28 @@ def _rowwise_adagrad_kernel(
     dt = g.dtype
     mean = tl.div_rn(total, tl.full([BR], dim, dt))
     s = tl.load(s_ptr + r, mask=im, other=0.0) + mean
-    tl.store(s_ptr + r, s, mask=im)
+    tl.store(new_s_ptr + i, s, mask=im)
     den = tl.sqrt_rn(s) + tl.full([BR], eps, dt)
     mult = tl.div_rn(tl.full([BR], 1.0, dt), den) * tl.full([BR], lr, dt)
     upd = mult[:, None] * g
-    tl.store(w_ptr + r[:, None] * dim + c[None, :], w - upd, mask=m2)
+    tl.store(new_w_ptr + i[:, None] * dim + c[None, :], w - upd, mask=m2)
+
+
+@triton.jit(do_not_specialize=["n_rows", "dim"])
+def _write_rows_kernel(
+    w_ptr, s_ptr, rows_ptr, new_w_ptr, new_s_ptr, n_rows, dim, BR: tl.constexpr,
+    WIDTH: tl.constexpr,
+):  # fmt: skip
+    """``w[rows[i]] = new_w[i]``, ``s[rows[i]] = new_s[i]``: the writes, after every read
+    of the first kernel (a row listed twice gets the same values twice)."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    im = i < n_rows
+    r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
+    c = tl.arange(0, WIDTH)
+    m2 = im[:, None] & (c < dim)[None, :]
+    x = tl.load(new_w_ptr + i[:, None] * dim + c[None, :], mask=m2, other=0.0)
+    tl.store(w_ptr + r[:, None] * dim + c[None, :], x, mask=m2)
+    tl.store(s_ptr + r, tl.load(new_s_ptr + i, mask=im, other=0.0), mask=im)
 
 
 def rowwise_adagrad_triton(
@@ -87,7 +113,8 @@ def rowwise_adagrad_triton(
     eps: float,
 ) -> None:
     """In place: the row-wise Adagrad update of `embedding.optim` (without weight
-    decay) for unique ``rows`` with summed ``grad`` [len(rows), D]; ``weight`` [R, D]
+    decay) for ``rows`` with summed ``grad`` [len(rows), D] (a repeated row must repeat
+    its gradient, as in the padded update); ``weight`` [R, D]
     and ``sum_sq`` [R] contiguous float32 (Triton passes Python floats as float32, which
     is what PyTorch rounds them to for a float32 tensor; float64 stays on the
     reference)."""
@@ -106,7 +133,12 @@ def rowwise_adagrad_triton(
     g = grad.to(torch.float32).contiguous()
     width = next_power_of_2(max(dim, 1))
     br = max(1, min(64, 4096 // width))  # ~4K elements per program
-    _rowwise_adagrad_kernel[(cdiv(n, br),)](
-        weight, sum_sq, rows.contiguous(), g, n, dim, float(lr), float(eps),
+    rows = rows.contiguous()
+    new_w = torch.empty_like(g)
+    new_s = torch.empty(n, dtype=torch.float32, device=g.device)
+    grid = (cdiv(n, br),)
+    _rowwise_adagrad_kernel[grid](
+        weight, sum_sq, rows, g, new_w, new_s, n, dim, float(lr), float(eps),
         BR=br, WIDTH=width, LOG_WIDTH=width.bit_length() - 1, enable_fp_fusion=False,
     )  # fmt: skip
+    _write_rows_kernel[grid](weight, sum_sq, rows, new_w, new_s, n, dim, BR=br, WIDTH=width)
