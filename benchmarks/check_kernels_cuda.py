@@ -238,7 +238,7 @@ def _check_sparse_optim(g: torch.Generator) -> int:
             if step == 2:  # the padded update's repeated last row (same gradient)
                 fill = torch.cat([torch.arange(touched), torch.full((touched // 2,), touched - 1)])
                 rows, grad = rows[fill.cuda()], grad[fill.cuda()]
-            fast.step(rows, grad, step=step, lr=cfg.lr / step)
+            fast.step(rows, grad, step=step, lr=cfg.lr / step, unique_rows=step != 2)
             os.environ[SPARSE_OPTIM_ENV_VAR] = "reference"
             try:
                 ref.step(rows, grad, step=step, lr=cfg.lr / step)
@@ -251,14 +251,18 @@ def _check_sparse_optim(g: torch.Generator) -> int:
         if not same:
             print(f"MISMATCH sparse_optim rows={nrows} dim={dim}")
             bad += 1
-    for name, env in (("reference", "reference"), ("triton", "auto")):
+    rows, grad = rows[:touched], grad[:touched]  # unique again
+    for name, env, unique in (
+        ("reference", "reference", True), ("triton", "auto", True),
+        ("triton two-phase", "auto", False),
+    ):  # fmt: skip
         os.environ[SPARSE_OPTIM_ENV_VAR] = env
         try:
-            fast.step(rows, grad, step=4)
+            fast.step(rows, grad, step=4, unique_rows=unique)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(50):
-                fast.step(rows, grad, step=4)
+                fast.step(rows, grad, step=4, unique_rows=unique)
             torch.cuda.synchronize()
         finally:
             del os.environ[SPARSE_OPTIM_ENV_VAR]

@@ -520,7 +520,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if g.rows.numel() == 0:
                 return 0
             summed = segment_sum(grads, g)
-            self.optimizer.step(g.rows, summed, step=step, lr=lr)
+            self.optimizer.step(g.rows, summed, step=step, lr=lr, unique_rows=True)
             self.stats.rows_updated += int(g.rows.numel())
             self.stats.rows_grouped_ahead += int(g.rows.numel())
             return int(g.rows.numel())
@@ -535,7 +535,7 @@ class ShardedEmbeddingCollection(nn.Module):
             return pg.num_rows
         groups = group_rows(keys)
         summed = segment_sum(grads, groups)
-        self.optimizer.step(groups.rows, summed, step=step, lr=lr)
+        self.optimizer.step(groups.rows, summed, step=step, lr=lr, unique_rows=True)
         self.stats.rows_updated += int(groups.rows.numel())
         return int(groups.rows.numel())
 

@@ -72,10 +72,19 @@ class FusedSparseOptimizer:
             self.state["exp_avg_sq"] = torch.zeros_like(weight)
 
     def step(
-        self, rows: torch.Tensor, grad: torch.Tensor, step: int, lr: float | None = None
+        self,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        lr: float | None = None,
+        *,
+        unique_rows: bool = False,
     ) -> None:
-        """Apply the update for unique local ``rows`` with summed ``grad`` produced by the
-        1-based global ``step`` at learning rate ``lr`` (default: the configured one)."""
+        """Apply the update for local ``rows`` with summed ``grad`` produced by the
+        1-based global ``step`` at learning rate ``lr`` (default: the configured one). A
+        row listed twice must carry the same gradient both times (the padded update);
+        ``unique_rows=True`` promises it is not listed twice (the fused CUDA update then
+        runs in place, one launch)."""
         if rows.numel() == 0:
             return
         cfg = self.cfg
@@ -83,7 +92,9 @@ class FusedSparseOptimizer:
         if self._fused(grad):
             from freescale.kernels.sparse_optim import rowwise_adagrad_triton
 
-            rowwise_adagrad_triton(self.weight, self.state["sum_sq"], rows, grad, lr, cfg.eps)
+            rowwise_adagrad_triton(
+                self.weight, self.state["sum_sq"], rows, grad, lr, cfg.eps, unique_rows=unique_rows
+            )
             return
         w = self.weight.index_select(0, rows)
         grad = grad.to(w.dtype)

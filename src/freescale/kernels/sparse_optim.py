@@ -6,7 +6,8 @@ Owns one kernel: for each unique local row r with summed gradient g (one step),
     mult   = reciprocal(sqrt(s) + eps) * lr
     w[r]   = w[r] - mult * g
 
-in two launches (all reads and the arithmetic, then the writes), where the optimizer's
+in one launch for unique rows, two otherwise (all reads and the arithmetic, then the
+writes), where the optimizer's
 PyTorch path (`embedding.optim.FusedSparseOptimizer` with ``FREESCALE_SPARSE_OPTIM=
 reference``) runs ~20 ops (gathers, the 7-level column tree, the arithmetic, two
 scatters).
@@ -58,10 +59,12 @@ def _rowwise_adagrad_kernel(
     BR: tl.constexpr,
     WIDTH: tl.constexpr,
     LOG_WIDTH: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
-    """Entries [pid * BR, (pid + 1) * BR) of the update, read-only on the shard: the new
-    row and state go to ``new_w`` [n, D] / ``new_s`` [n] (entry order); WIDTH = D
-    padded to a power of 2; ``lr`` and ``eps`` arrive as float32 scalars."""
+    """Entries [pid * BR, (pid + 1) * BR) of the update; WIDTH = D padded to a power of
+    2; ``lr`` and ``eps`` arrive as float32 scalars. IN_PLACE (rows known unique): the
+    new row and state are stored to the shard; otherwise to ``new_w`` [n, D] / ``new_s``
+    [n] in entry order, for `_write_rows_kernel` (reads never see a write)."""
     i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     im = i < n_rows
     r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
@@ -80,11 +83,17 @@ def _rowwise_adagrad_kernel(
     dt = g.dtype
     mean = tl.div_rn(total, tl.full([BR], dim, dt))
     s = tl.load(s_ptr + r, mask=im, other=0.0) + mean
-    tl.store(new_s_ptr + i, s, mask=im)
+    if IN_PLACE:
+        tl.store(s_ptr + r, s, mask=im)
+    else:
+        tl.store(new_s_ptr + i, s, mask=im)
     den = tl.sqrt_rn(s) + tl.full([BR], eps, dt)
     mult = tl.div_rn(tl.full([BR], 1.0, dt), den) * tl.full([BR], lr, dt)
     upd = mult[:, None] * g
-    tl.store(new_w_ptr + i[:, None] * dim + c[None, :], w - upd, mask=m2)
+    if IN_PLACE:
+        tl.store(w_ptr + r[:, None] * dim + c[None, :], w - upd, mask=m2)
+    else:
+        tl.store(new_w_ptr + i[:, None] * dim + c[None, :], w - upd, mask=m2)
 
 
 @triton.jit(do_not_specialize=["n_rows", "dim"])
@@ -111,10 +120,13 @@ def rowwise_adagrad_triton(
     grad: torch.Tensor,
     lr: float,
     eps: float,
+    *,
+    unique_rows: bool = False,
 ) -> None:
     """In place: the row-wise Adagrad update of `embedding.optim` (without weight
     decay) for ``rows`` with summed ``grad`` [len(rows), D] (a repeated row must repeat
-    its gradient, as in the padded update); ``weight`` [R, D]
+    its gradient, as in the padded update; ``unique_rows=True`` promises no repeats and
+    updates in place in one launch); ``weight`` [R, D]
     and ``sum_sq`` [R] contiguous float32 (Triton passes Python floats as float32, which
     is what PyTorch rounds them to for a float32 tensor; float64 stays on the
     reference)."""
@@ -134,11 +146,16 @@ def rowwise_adagrad_triton(
     width = next_power_of_2(max(dim, 1))
     br = max(1, min(64, 4096 // width))  # ~4K elements per program
     rows = rows.contiguous()
-    new_w = torch.empty_like(g)
-    new_s = torch.empty(n, dtype=torch.float32, device=g.device)
+    if unique_rows:
+        new_w, new_s = weight, sum_sq  # not written (IN_PLACE)
+    else:
+        new_w = torch.empty_like(g)
+        new_s = torch.empty(n, dtype=torch.float32, device=g.device)
     grid = (cdiv(n, br),)
     _rowwise_adagrad_kernel[grid](
         weight, sum_sq, rows, g, new_w, new_s, n, dim, float(lr), float(eps),
-        BR=br, WIDTH=width, LOG_WIDTH=width.bit_length() - 1, enable_fp_fusion=False,
+        BR=br, WIDTH=width, LOG_WIDTH=width.bit_length() - 1, IN_PLACE=unique_rows,
+        enable_fp_fusion=False,
     )  # fmt: skip
-    _write_rows_kernel[grid](weight, sum_sq, rows, new_w, new_s, n, dim, BR=br, WIDTH=width)
+    if not unique_rows:
+        _write_rows_kernel[grid](weight, sum_sq, rows, new_w, new_s, n, dim, BR=br, WIDTH=width)
