@@ -238,7 +238,11 @@ def _check_sparse_optim(g: torch.Generator) -> int:
             if step == 2:  # the padded update's repeated last row (same gradient)
                 fill = torch.cat([torch.arange(touched), torch.full((touched // 2,), touched - 1)])
                 rows, grad = rows[fill.cuda()], grad[fill.cuda()]
-            fast.step(rows, grad, step=step, lr=cfg.lr / step, unique_rows=step != 2)
+            os.environ[SPARSE_OPTIM_ENV_VAR] = "auto"
+            try:
+                fast.step(rows, grad, step=step, lr=cfg.lr / step, unique_rows=step != 2)
+            finally:
+                del os.environ[SPARSE_OPTIM_ENV_VAR]
             os.environ[SPARSE_OPTIM_ENV_VAR] = "reference"
             try:
                 ref.step(rows, grad, step=step, lr=cfg.lr / step)

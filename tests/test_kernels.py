@@ -610,6 +610,50 @@ def test_rowwise_adagrad_triton_matches_the_optimizer_bitwise(gen):
         rowwise_adagrad_triton(w, state, rows, g[:, :1], 0.1, 1e-8)
 
 
+@needs_triton
+@pytest.mark.parametrize("update", ["sync", "padded", "ahead"])
+def test_fused_adagrad_in_the_collection_is_bitwise_the_reference(gen, update, monkeypatch):
+    """The owner's update through ShardedEmbeddingCollection.apply_gradients with the
+    fused kernel forced (FREESCALE_SPARSE_OPTIM=triton, interpreter) equals the PyTorch
+    optimizer bit for bit in each update mode; the kernel really ran, in place for the
+    unique rows of sync / ahead and in two launches for the padded update's repeats."""
+    from freescale.comm.base import Communicator
+    from freescale.config import SparseOptimConfig, TableConfig
+    from freescale.embedding import collection as coll
+    from freescale.embedding.reduce import group_rows_start
+    from freescale.kernels import sparse_optim
+
+    calls: list[bool] = []
+    real = sparse_optim.rowwise_adagrad_triton
+
+    def counting(*args, **kw):
+        calls.append(kw.get("unique_rows", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sparse_optim, "rowwise_adagrad_triton", counting)
+    tables = [TableConfig("item", 300, 8, ["a", "b"]), TableConfig("small", 4, 8, ["c"])]
+    cfg = SparseOptimConfig(kind="rowwise_adagrad", lr=0.05)
+    seed = int(torch.randint(1 << 20, (1,), generator=gen))
+    ref, fused = (coll.ShardedEmbeddingCollection(tables, Communicator(None, name="t"), cfg,
+                                                  seed=seed) for _ in range(2))  # fmt: skip
+    monkeypatch.setenv(coll.SPARSE_UPDATE_ENV_VAR, update)
+    for step in range(1, 5):
+        n = int(torch.randint(1, 600, (1,), generator=gen))
+        hot = torch.randint(0, 4, (n,), generator=gen)
+        keys = torch.where(torch.rand(n, generator=gen) < 0.3, hot + 300, hot * 70 + step)
+        grads = torch.randn(n, 8, generator=gen)
+        monkeypatch.setenv("FREESCALE_SPARSE_OPTIM", "reference")
+        groups = group_rows_start(keys, ahead=False) if update == "ahead" else None
+        ref.apply_gradients(keys, grads, step, None, groups=groups)
+        monkeypatch.setenv("FREESCALE_SPARSE_OPTIM", "triton")
+        groups = group_rows_start(keys, ahead=False) if update == "ahead" else None
+        fused.apply_gradients(keys, grads, step, None, groups=groups)
+    assert torch.equal(ref.weight.view(torch.int32), fused.weight.view(torch.int32)), update
+    s_ref, s_fused = ref.optimizer.state["sum_sq"], fused.optimizer.state["sum_sq"]
+    assert torch.equal(s_ref.view(torch.int32), s_fused.view(torch.int32)), update
+    assert calls == [update != "padded"] * 4, calls
+
+
 def _sorted_key_cases(gen: torch.Generator) -> list[torch.Tensor]:
     """Sorted int64 keys: one key, all equal (one run over many blocks), all distinct,
     runs ending exactly at block borders, and fresh random Zipf-like ones (hot runs that
