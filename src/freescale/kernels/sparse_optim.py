@@ -44,6 +44,17 @@ from freescale.kernels.common import cdiv, next_power_of_2
 __all__ = ["rowwise_adagrad_triton"]
 
 
+@triton.jit
+def _entries(rows_ptr, n_rows, dim, BR: tl.constexpr, WIDTH: tl.constexpr):
+    """This program's entries i (and mask), their shard rows r, the columns c of a padded
+    row and the [entry, column] mask."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    im = i < n_rows
+    r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
+    c = tl.arange(0, WIDTH)
+    return i, im, r, c, im[:, None] & (c < dim)[None, :]
+
+
 @triton.jit(do_not_specialize=["n_rows", "dim"])
 def _rowwise_adagrad_kernel(
     w_ptr,
@@ -65,11 +76,7 @@ def _rowwise_adagrad_kernel(
     2; ``lr`` and ``eps`` arrive as float32 scalars. IN_PLACE (rows known unique): the
     new row and state are stored to the shard; otherwise to ``new_w`` [n, D] / ``new_s``
     [n] in entry order, for `_write_rows_kernel` (reads never see a write)."""
-    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    im = i < n_rows
-    r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
-    c = tl.arange(0, WIDTH)
-    m2 = im[:, None] & (c < dim)[None, :]
+    i, im, r, c, m2 = _entries(rows_ptr, n_rows, dim, BR, WIDTH)
     g = tl.load(g_ptr + i[:, None] * dim + c[None, :], mask=m2, other=0.0)
     w = tl.load(w_ptr + r[:, None] * dim + c[None, :], mask=m2, other=0.0)
     # the column tree: x[:, :half] + x[:, half:] until one column (padding adds +0.0)
@@ -103,11 +110,7 @@ def _write_rows_kernel(
 ):  # fmt: skip
     """``w[rows[i]] = new_w[i]``, ``s[rows[i]] = new_s[i]``: the writes, after every read
     of the first kernel (a row listed twice gets the same values twice)."""
-    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    im = i < n_rows
-    r = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
-    c = tl.arange(0, WIDTH)
-    m2 = im[:, None] & (c < dim)[None, :]
+    i, im, r, c, m2 = _entries(rows_ptr, n_rows, dim, BR, WIDTH)
     x = tl.load(new_w_ptr + i[:, None] * dim + c[None, :], mask=m2, other=0.0)
     tl.store(w_ptr + r[:, None] * dim + c[None, :], x, mask=m2)
     tl.store(s_ptr + r, tl.load(new_s_ptr + i, mask=im, other=0.0), mask=im)
