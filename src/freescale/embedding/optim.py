@@ -14,6 +14,11 @@ that holds all of the rank's local table rows) and the per-row update arithmetic
 never depends on how many rows one call holds, so the row mean of ``g^2`` is a fixed
 pairwise tree of element-wise adds rather than a library reduction (whose blocking can
 change with the number of rows). Weight decay, when set, is decoupled (``w -= lr*wd*w``).
+
+Row-wise Adagrad also has a Triton version of the same arithmetic, rounding for rounding
+(`kernels.sparse_optim`, opted in by ``FREESCALE_SPARSE_OPTIM=auto``); for it, the
+reference's two device-dependent steps are pinned down: the division by D takes a tensor
+divisor and the square root is correctly rounded on CPU too (`sqrt_rn`).
 """
 
 from __future__ import annotations
@@ -128,10 +133,11 @@ class FusedSparseOptimizer:
         self.weight.index_copy_(0, rows, new_w)
 
     def _fused(self, grad: torch.Tensor) -> bool:
-        """Whether this update runs as one Triton launch (`kernels.sparse_optim`, the
-        same bits): row-wise Adagrad without weight decay on a float32 shard, with
-        ``FREESCALE_SPARSE_OPTIM=auto`` on CUDA or ``=triton`` on any device (on CPU under
-        ``TRITON_INTERPRET=1``: the tests); the default, ``reference``, keeps PyTorch."""
+        """Whether this update runs as the Triton kernel (`kernels.sparse_optim`: one
+        launch for unique rows, two otherwise; the same bits): row-wise Adagrad without
+        weight decay on a float32 shard, with ``FREESCALE_SPARSE_OPTIM=auto`` on CUDA or
+        ``=triton`` on any device (on CPU under ``TRITON_INTERPRET=1``: the tests); the
+        default, ``reference``, keeps PyTorch."""
         mode = os.environ.get(SPARSE_OPTIM_ENV_VAR, SPARSE_OPTIM_DEFAULT)
         if mode not in ("auto", "reference", "triton"):
             raise ValueError(
