@@ -17,12 +17,14 @@ change with the number of rows). Weight decay, when set, is decoupled (``w -= lr
 
 Row-wise Adagrad also has a Triton version of the same arithmetic, rounding for rounding
 (`kernels.sparse_optim`, opted in by ``FREESCALE_SPARSE_OPTIM=auto``); for it, the
-reference's two device-dependent steps are pinned down: the division by D takes a tensor
-divisor and the square root is correctly rounded on CPU too (`sqrt_rn`).
+reference's two device-dependent steps are pinned down: the division by D is a
+multiplication by its rounded reciprocal (CUDA's arithmetic for a number divisor) and
+the square root is correctly rounded on CPU too (`sqrt_rn`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,7 +43,7 @@ SPARSE_OPTIM_DEFAULT = "reference"
 
 def row_mean_fixed_order(x: torch.Tensor) -> torch.Tensor:
     """Mean over dim 1 of ``[U, D]`` by a fixed pairwise tree (zero-padded to 2^k), then
-    one IEEE division by D."""
+    times the reciprocal of D rounded to x's dtype."""
     d = x.shape[1]
     width = 1
     while width < d:
@@ -51,9 +53,15 @@ def row_mean_fixed_order(x: torch.Tensor) -> torch.Tensor:
     while x.shape[1] > 1:
         half = x.shape[1] // 2
         x = x[:, :half] + x[:, half:]
-    # a tensor divisor: IEEE division on every device (CUDA turns a Python-number
-    # divisor into a multiplication by its rounded reciprocal)
-    return x[:, 0] / torch.full((), d, dtype=x.dtype, device=x.device)
+    # times the correctly rounded reciprocal of D in x's dtype: what CUDA computes for a
+    # Python-number divisor, spelled out so that the CPU (which divides) does the same
+    return x[:, 0] * _reciprocal(d, x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _reciprocal(d: int, dtype: torch.dtype) -> float:
+    """1 / d rounded once to ``dtype`` (a Python float, exact in that dtype)."""
+    return float(torch.ones((), dtype=dtype) / torch.full((), d, dtype=dtype))
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ scatters).
 Bit-for-bit the same arithmetic, rounding step by rounding step:
 
 * ``tree_mean`` is `embedding.optim.row_mean_fixed_order`: zero-pad the columns to a
-  power of two, then repeatedly add the right half to the left half, then divide by D;
+  power of two, repeatedly add the right half to the left half, then multiply by 1 / D
+  rounded to float32 (PyTorch's CUDA division by a number);
 * ``lr / t`` in PyTorch is ``t.reciprocal() * lr`` (``Tensor.__rtruediv__``): two
   roundings, kept here; Python floats (lr, eps) are rounded to the weight's dtype first,
   as PyTorch does with a scalar operand;
@@ -88,7 +89,7 @@ def _rowwise_adagrad_kernel(
         x = left + right
     total = tl.reshape(x, [BR])
     dt = g.dtype
-    mean = tl.div_rn(total, tl.full([BR], dim, dt))
+    mean = total * tl.div_rn(tl.full([BR], 1.0, dt), tl.full([BR], dim, dt))
     s = tl.load(s_ptr + r, mask=im, other=0.0) + mean
     if IN_PLACE:
         tl.store(s_ptr + r, s, mask=im)
