@@ -189,6 +189,10 @@ class _LatePlanner(BalanceHook):
     def end_batch(self, trainer, step, handle):
         if self.comm.rank == 0:
             time.sleep(0.06)
+            if self.eager:  # under load 60 ms may not be a step: wait for one (<= 1 s)
+                seen, t0 = self._last_metrics, time.monotonic()
+                while self._last_metrics == seen and time.monotonic() - t0 < 1.0:
+                    time.sleep(0.005)
         out = super().end_batch(trainer, step, handle)
         self.plan_states.append(dict(self.last_plan.cost_model))
         return out
@@ -252,5 +256,8 @@ def test_learning_balancer_plans_alike_on_every_rank(pool2):
         ]
         assert changed, states  # plans after the lag used what was learned
     assert res[0]["states"] == res[1]["states"]
-    bad = pool2.run(_learning_run, True)
+    for _ in range(3):  # the mutation shows only where the threads' timing differs
+        bad = pool2.run(_learning_run, True)
+        if all(r["err"] is not None for r in bad):
+            break
     assert all(r["err"] is not None and "different plans" in r["err"] for r in bad), bad
