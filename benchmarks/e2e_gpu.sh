@@ -18,6 +18,8 @@
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
+#   bash benchmarks/e2e_gpu.sh optim1  # ~5 min, one H200: the fused row-wise Adagrad's GPU
+#                                      # check, then 1-GPU e2e with it on and off (NE bits)
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
 #                                      # cross-rank shuffle (cross-rank floor),
 #                                      # sdd, freescale, freescale_fbs (the old default)
@@ -580,6 +582,21 @@ sticky)
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
     vanilla freescale_fbs freescale_sticky
   ;;
+optim1)
+  # (~5 min, one H200) session 23's fused row-wise Adagrad before it becomes the default:
+  # the bitwise check (unique rows in place, the padded update's repeats in two launches),
+  # then the 1-GPU e2e with the kernel on (eval NE must be 0.991714 in both modes, as with
+  # the PyTorch update) and the same run with it off, for the calls per step
+  timeout 90 python benchmarks/check_kernels_cuda.py --only sparse_optim \
+    > "$OUT/check_sparse_optim.log" 2>&1
+  echo "check rc=$?"; tail -4 "$OUT/check_sparse_optim.log"
+  for mode in auto reference; do
+    FREESCALE_SPARSE_OPTIM=$mode timeout 200 $HEAD --out "$OUT/e2e_optim_$mode" --nproc 1 \
+      --steps 200 --variants vanilla freescale > "$OUT/e2e_optim_$mode.log" 2>&1
+    echo "e2e $mode rc=$?"
+    grep -E "^\| (vanilla|freescale) " "$OUT/e2e_optim_$mode/e2e.md" | cut -d'|' -f1-6,16-18
+  done
+  ;;
 floor)
   # (~6.5 min) is freescale's NE distance (3.1e-6 at 7bb1abe, 5.9e-5 at 80c5b3c) inside
   # the band of legal reorderings? Four in-rank orders instead of two, and freescale twice
@@ -701,5 +718,5 @@ for r in d["rows"]:
 PY
   rm -rf "$OUT/e2e_phases/traces" "$OUT"/e2e_phases/*.png
   ;;
-*) echo "usage: $0 baldiag|phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+*) echo "usage: $0 optim1|floor|baldiag|phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac
