@@ -214,6 +214,56 @@ def _check_block_mask(g: torch.Generator) -> int:
     return bad
 
 
+def _sparse_optim_race(g: torch.Generator, cfg, steps: int = 60) -> int:
+    """The in-place launch under load, step by step against the reference (e2e shape:
+    300K sorted unique rows of 1M, D = 128, every second step with a GEMM chain on a side
+    stream): any mismatching step is a failure. Then the same with the barrier between
+    the loads and the stores removed (the version that moved the e2e NE): reported as
+    CAUGHT when some step differs, else "not caught" (a race: it may not show)."""
+    from freescale.embedding.optim import row_mean_fixed_order, sqrt_rn
+    from freescale.kernels.sparse_optim import rowwise_adagrad_triton
+
+    def ref_step(w, s, rows, grad, lr):  # the optimizer's PyTorch arithmetic
+        s_new = s.index_select(0, rows) + row_mean_fixed_order(grad * grad)
+        s.index_copy_(0, rows, s_new)
+        mult = lr / (sqrt_rn(s_new) + cfg.eps)
+        w.index_copy_(0, rows, w.index_select(0, rows) - mult.unsqueeze(1) * grad)
+
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    bad = 0
+    for barrier in (True, False):
+        w = torch.randn(1_000_000, 128, device="cuda", generator=g) * 0.3
+        s = torch.rand(1_000_000, device="cuda", generator=g)
+        wf, sf = w.clone(), s.clone()
+        differ = 0
+        for step in range(1, steps + 1):
+            rows = torch.randperm(1_000_000, device="cuda", generator=g)[:300_000].sort()[0]
+            grad = torch.randn(300_000, 128, device="cuda", generator=g)
+            torch.cuda.synchronize()
+            if step % 2 == 0:
+                with torch.cuda.stream(side):
+                    for _ in range(8):
+                        a = (a @ a).clamp_(-1, 1)
+            lr = cfg.lr / step
+            rowwise_adagrad_triton(wf, sf, rows, grad, lr, cfg.eps, unique_rows=True,
+                                   barrier=barrier)  # fmt: skip
+            ref_step(w, s, rows, grad, lr)
+            torch.cuda.synchronize()
+            if not (torch.equal(wf.view(torch.int32), w.view(torch.int32))
+                    and torch.equal(sf.view(torch.int32), s.view(torch.int32))):  # fmt: skip
+                differ += 1
+                wf.copy_(w)
+                sf.copy_(s)
+        if barrier:
+            print(f"sparse_optim in place under load: {differ} of {steps} steps differ")
+            bad += differ > 0
+        else:
+            print(f"sparse_optim mutant (no barrier): {differ} of {steps} steps differ -> "
+                  + ("CAUGHT" if differ else "not caught"))  # fmt: skip
+    return bad
+
+
 def _check_sparse_optim(g: torch.Generator) -> int:
     """The fused row-wise Adagrad launch (kernels/sparse_optim.py) against the
     optimizer's PyTorch arithmetic on the GPU (FREESCALE_SPARSE_OPTIM=reference), bit for
@@ -255,6 +305,7 @@ def _check_sparse_optim(g: torch.Generator) -> int:
         if not same:
             print(f"MISMATCH sparse_optim rows={nrows} dim={dim}")
             bad += 1
+    bad += _sparse_optim_race(g, cfg)
     rows, grad = rows[:touched], grad[:touched]  # unique again
     for name, env, unique in (
         ("reference", "reference", True), ("triton", "auto", True),

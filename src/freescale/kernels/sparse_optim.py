@@ -28,7 +28,9 @@ As in PyTorch's ``index_select`` ... ``index_copy_`` sequence, every read comes 
 any write: a row may be listed more than once when every listing carries the same
 gradient (the padded update repeats its last row), and then each write stores the same
 bits. (One launch that read and wrote would let a later program read a row another
-one had already updated.)
+one had already updated.) Within one program too, every load precedes every store: the
+in-place launch has a barrier between them, since the row values are replicated across
+warps and a lagging warp would otherwise read a state another warp had just stored.
 On CPU tensors this module needs ``TRITON_INTERPRET=1`` set before triton is first
 imported (tests); `benchmarks/check_sparse_update_cuda.py` compares it with the
 reference bit for bit on a GPU.
@@ -72,6 +74,7 @@ def _rowwise_adagrad_kernel(
     WIDTH: tl.constexpr,
     LOG_WIDTH: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    BARRIER: tl.constexpr,
 ):
     """Entries [pid * BR, (pid + 1) * BR) of the update; WIDTH = D padded to a power of
     2; ``lr`` and ``eps`` arrive as float32 scalars. IN_PLACE (rows known unique): the
@@ -91,6 +94,13 @@ def _rowwise_adagrad_kernel(
     dt = g.dtype
     mean = total * tl.div_rn(tl.full([BR], 1.0, dt), tl.full([BR], dim, dt))
     s = tl.load(s_ptr + r, mask=im, other=0.0) + mean
+    if IN_PLACE and BARRIER:
+        # all of this program's loads (w above, s here) before any of its stores: a
+        # row's state is loaded by every warp (the 1-D row values are replicated across
+        # warps) but stored by one, and a warp still in the column tree could otherwise
+        # read the state another warp had already updated (found on the H200: the 1-GPU
+        # e2e NE moved from run to run, even with CUDA_LAUNCH_BLOCKING=1)
+        tl.debug_barrier()
     if IN_PLACE:
         tl.store(s_ptr + r, s, mask=im)
     else:
@@ -126,6 +136,7 @@ def rowwise_adagrad_triton(
     eps: float,
     *,
     unique_rows: bool = False,
+    barrier: bool = True,
 ) -> None:
     """In place: the row-wise Adagrad update of `embedding.optim` (without weight
     decay) for ``rows`` with summed ``grad`` [len(rows), D] (a repeated row must repeat
@@ -133,7 +144,8 @@ def rowwise_adagrad_triton(
     updates in place in one launch); ``weight`` [R, D]
     and ``sum_sq`` [R] contiguous float32 (Triton passes Python floats as float32, which
     is what PyTorch rounds them to for a float32 tensor; float64 stays on the
-    reference)."""
+    reference). ``barrier=False`` drops the in-place launch's barrier between the
+    loads and the stores: only for the GPU check's mutant (a race, see the kernel)."""
     if weight.dtype != torch.float32 or sum_sq.dtype != torch.float32:
         raise TypeError(
             f"rowwise_adagrad_triton: weight and state must be float32, got "
@@ -159,7 +171,7 @@ def rowwise_adagrad_triton(
     _rowwise_adagrad_kernel[grid](
         weight, sum_sq, rows, g, new_w, new_s, n, dim, float(lr), float(eps),
         BR=br, WIDTH=width, LOG_WIDTH=width.bit_length() - 1, IN_PLACE=unique_rows,
-        enable_fp_fusion=False,
+        BARRIER=barrier, enable_fp_fusion=False,
     )  # fmt: skip
     if not unique_rows:
         _write_rows_kernel[grid](weight, sum_sq, rows, new_w, new_s, n, dim, BR=br, WIDTH=width)
