@@ -610,6 +610,48 @@ def test_rowwise_adagrad_triton_matches_the_optimizer_bitwise(gen):
         rowwise_adagrad_triton(w, state, rows, g[:, :1], 0.1, 1e-8)
 
 
+_PTX_ORDER_SCRIPT = """
+import re, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freescale.kernels import sparse_optim as so
+sig = {n: "*fp32" for n in ("w_ptr", "s_ptr", "g_ptr", "new_w_ptr", "new_s_ptr")}
+sig |= {"rows_ptr": "*i64", "n_rows": "i32", "dim": "i32", "lr": "fp32", "eps": "fp32"}
+for c in ("BR", "WIDTH", "LOG_WIDTH", "IN_PLACE", "BARRIER"):
+    sig[c] = "constexpr"
+for width, barrier in ((128, True), (8, True), (128, False)):
+    const = {"BR": 4096 // width, "WIDTH": width, "LOG_WIDTH": width.bit_length() - 1,
+             "IN_PLACE": True, "BARRIER": barrier}
+    k = triton.compile(ASTSource(fn=so._rowwise_adagrad_kernel, signature=sig,
+                                 constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"enable_fp_fusion": False})
+    lines = k.asm["ptx"].splitlines()
+    last_ld = max(i for i, x in enumerate(lines) if "ld.global" in x)
+    first_st = min(i for i, x in enumerate(lines) if "st.global" in x)
+    between = any("bar.sync" in x for x in lines[last_ld:first_st])
+    print(width, barrier, last_ld < first_st and between)
+"""
+
+
+def test_in_place_adagrad_orders_every_load_before_every_store_in_ptx():
+    """The in-place launch's PTX for an H100/H200 (sm_90, compiled here without a GPU):
+    a barrier stands between the program's last global load and its first global store,
+    so no warp reads a row state another warp has already stored (the race that moved
+    the 1-GPU e2e NE on the H200 before 338e0c7). The barrier-less build (BARRIER=False,
+    the GPU check's mutant) must fail the same check, so the check can fail."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _PTX_ORDER_SCRIPT], env=env, text=True,
+                         capture_output=True, timeout=300)  # fmt: skip
+    if out.returncode != 0 and "ptxas" in out.stderr.lower():
+        pytest.skip(f"this triton cannot build sm_90 code here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [ln.split() for ln in out.stdout.splitlines()]
+    assert rows == [["128", "True", "True"], ["8", "True", "True"], ["128", "False", "False"]]
+
+
 @needs_triton
 @pytest.mark.parametrize("update", ["sync", "padded", "ahead"])
 def test_fused_adagrad_in_the_collection_is_bitwise_the_reference(gen, update, monkeypatch):
