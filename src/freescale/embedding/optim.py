@@ -16,7 +16,8 @@ pairwise tree of element-wise adds rather than a library reduction (whose blocki
 change with the number of rows). Weight decay, when set, is decoupled (``w -= lr*wd*w``).
 
 Row-wise Adagrad also has a Triton version of the same arithmetic, rounding for rounding
-(`kernels.sparse_optim`, opted in by ``FREESCALE_SPARSE_OPTIM=auto``); for it, the
+(`kernels.sparse_optim`, the default on CUDA; ``FREESCALE_SPARSE_OPTIM=reference`` keeps
+these PyTorch ops); for it, the
 reference's two device-dependent steps are pinned down: the division by D is a
 multiplication by its rounded reciprocal (CUDA's arithmetic for a number divisor) and
 the square root is correctly rounded on CPU too (`sqrt_rn`).
@@ -33,12 +34,12 @@ from ..config import SparseOptimConfig
 
 __all__ = ["FusedSparseOptimizer", "row_mean_fixed_order", "sqrt_rn", "SPARSE_OPTIM_ENV_VAR"]
 
-# auto (Triton on CUDA) | reference | triton (forced, any device). The default stays
-# "reference" until an end-to-end GPU run of this exact path (unique rows in place, the
-# padded update in two launches) has shown the same eval NE bits; each kernel variant
-# passed its isolated bitwise check on an H200 (session 23).
+# auto (Triton on CUDA, the default) | reference (the PyTorch ops below) | triton
+# (forced, any device: the interpreter tests). `auto` became the default at b87503d+
+# after the 1-GPU e2e on an H200 gave the reference's eval NE bits in vanilla and
+# freescale (benchmarks/results/e2e_1gpu_optim_{auto,ref}_b87503d.*).
 SPARSE_OPTIM_ENV_VAR = "FREESCALE_SPARSE_OPTIM"
-SPARSE_OPTIM_DEFAULT = "reference"
+SPARSE_OPTIM_DEFAULT = "auto"
 
 
 def row_mean_fixed_order(x: torch.Tensor) -> torch.Tensor:
@@ -143,9 +144,9 @@ class FusedSparseOptimizer:
     def _fused(self, grad: torch.Tensor) -> bool:
         """Whether this update runs as the Triton kernel (`kernels.sparse_optim`: one
         launch for unique rows, two otherwise; the same bits): row-wise Adagrad without
-        weight decay on a float32 shard, with ``FREESCALE_SPARSE_OPTIM=auto`` on CUDA or
-        ``=triton`` on any device (on CPU under ``TRITON_INTERPRET=1``: the tests); the
-        default, ``reference``, keeps PyTorch."""
+        weight decay on a float32 shard, with ``FREESCALE_SPARSE_OPTIM=auto`` (the
+        default) on CUDA or ``=triton`` on any device (on CPU under
+        ``TRITON_INTERPRET=1``: the tests); ``reference`` keeps PyTorch."""
         mode = os.environ.get(SPARSE_OPTIM_ENV_VAR, SPARSE_OPTIM_DEFAULT)
         if mode not in ("auto", "reference", "triton"):
             raise ValueError(
