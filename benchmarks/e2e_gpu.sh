@@ -18,6 +18,8 @@
 #                                      # profiled 40-step run with stacks), vanilla and freescale
 #   bash benchmarks/e2e_gpu.sh check   # new GPU paths + device-sync call sites (run first)
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
+#   bash benchmarks/e2e_gpu.sh verify1 # ~5 min, one H200: every one-GPU check at the defaults,
+#                                      # then the 1-GPU e2e (vanilla, freescale)
 #   bash benchmarks/e2e_gpu.sh optim1  # ~5 min, one H200: the fused row-wise Adagrad's GPU
 #                                      # check, then 1-GPU e2e with it on and off (NE bits)
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
@@ -581,6 +583,24 @@ sticky)
   # moved per step instead of 127, 2.3x less balancer CPU on the dev box) against fbs
   three_passes e2e_sticky "${STICKY_LIMIT:-560}" "${STICKY_STEPS:-400}" \
     vanilla freescale_fbs freescale_sticky
+  ;;
+verify1)
+  # (~5 min, one H200) the checks that run on one GPU, at the defaults (the fused Adagrad
+  # update on since session 24): per-row sum, sparse update modes bitwise vs sync, every
+  # kernel check (with the in-place Adagrad stress), then the 1-GPU e2e with no switch set
+  timeout 90 python benchmarks/check_segment_sum_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/verify_segment_sum.log" 2>&1
+  echo "check_segment_sum rc=$?"; tail -2 "$OUT/verify_segment_sum.log"
+  timeout 100 python benchmarks/check_sparse_update_cuda.py --out "$OUT" \
+    --git-sha "${FREESCALE_GIT_SHA:-}" > "$OUT/verify_sparse_update.log" 2>&1
+  echo "check_sparse_update rc=$?"; tail -2 "$OUT/verify_sparse_update.log"
+  timeout 150 python benchmarks/check_kernels_cuda.py > "$OUT/verify_kernels.log" 2>&1
+  echo "check_kernels_cuda rc=$?"; grep -E "MISMATCH|under load|mutant|kernel check" \
+    "$OUT/verify_kernels.log"
+  timeout 200 $HEAD --out "$OUT/e2e_1gpu" --nproc 1 --steps 200 --variants vanilla freescale \
+    > "$OUT/e2e_1gpu.log" 2>&1
+  echo "e2e rc=$?"
+  grep -E "^\| (vanilla|freescale) " "$OUT/e2e_1gpu/e2e.md" | cut -d'|' -f1-6,16-18
   ;;
 optim1)
   # (~5 min, one H200) session 23's fused row-wise Adagrad before it becomes the default:
