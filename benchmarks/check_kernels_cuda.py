@@ -220,21 +220,20 @@ def _sparse_optim_race(g: torch.Generator, cfg, steps: int = 60) -> int:
     stream): any mismatching step is a failure. Then the same with the barrier between
     the loads and the stores removed (the version that moved the e2e NE): reported as
     CAUGHT when some step differs, else "not caught" (a race: it may not show)."""
-    from freescale.embedding.optim import row_mean_fixed_order, sqrt_rn
-    from freescale.kernels.sparse_optim import rowwise_adagrad_triton
+    import os
 
-    def ref_step(w, s, rows, grad, lr):  # the optimizer's PyTorch arithmetic
-        s_new = s.index_select(0, rows) + row_mean_fixed_order(grad * grad)
-        s.index_copy_(0, rows, s_new)
-        mult = lr / (sqrt_rn(s_new) + cfg.eps)
-        w.index_copy_(0, rows, w.index_select(0, rows) - mult.unsqueeze(1) * grad)
+    from freescale.embedding.optim import SPARSE_OPTIM_ENV_VAR, FusedSparseOptimizer
+    from freescale.kernels.sparse_optim import rowwise_adagrad_triton
 
     side = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
     bad = 0
+    saved = os.environ.get(SPARSE_OPTIM_ENV_VAR)
+    os.environ[SPARSE_OPTIM_ENV_VAR] = "reference"  # the optimizer's PyTorch ops
     for barrier in (True, False):
-        w = torch.randn(1_000_000, 128, device="cuda", generator=g) * 0.3
-        s = torch.rand(1_000_000, device="cuda", generator=g)
+        ref = FusedSparseOptimizer(cfg, torch.randn(1_000_000, 128, device="cuda", generator=g))
+        w, s = ref.weight, ref.state["sum_sq"]
+        s.copy_(torch.rand(1_000_000, device="cuda", generator=g))
         wf, sf = w.clone(), s.clone()
         differ = 0
         for step in range(1, steps + 1):
@@ -248,7 +247,7 @@ def _sparse_optim_race(g: torch.Generator, cfg, steps: int = 60) -> int:
             lr = cfg.lr / step
             rowwise_adagrad_triton(wf, sf, rows, grad, lr, cfg.eps, unique_rows=True,
                                    barrier=barrier)  # fmt: skip
-            ref_step(w, s, rows, grad, lr)
+            ref.step(rows, grad, step=step, lr=lr)
             torch.cuda.synchronize()
             if not (torch.equal(wf.view(torch.int32), w.view(torch.int32))
                     and torch.equal(sf.view(torch.int32), s.view(torch.int32))):  # fmt: skip
@@ -261,6 +260,10 @@ def _sparse_optim_race(g: torch.Generator, cfg, steps: int = 60) -> int:
         else:
             print(f"sparse_optim mutant (no barrier): {differ} of {steps} steps differ -> "
                   + ("CAUGHT" if differ else "not caught"))  # fmt: skip
+    if saved is None:
+        del os.environ[SPARSE_OPTIM_ENV_VAR]
+    else:
+        os.environ[SPARSE_OPTIM_ENV_VAR] = saved
     return bad
 
 

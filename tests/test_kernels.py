@@ -611,7 +611,7 @@ def test_rowwise_adagrad_triton_matches_the_optimizer_bitwise(gen):
 
 
 _PTX_ORDER_SCRIPT = """
-import re, sys, triton
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freescale.kernels import sparse_optim as so
