@@ -20,6 +20,9 @@
 #   bash benchmarks/e2e_gpu.sh smoke   # kill-rank check (issue 8), 1-GPU baseline, 2-GPU smoke
 #   bash benchmarks/e2e_gpu.sh verify1 # ~5 min, one H200: every one-GPU check at the defaults,
 #                                      # then the 1-GPU e2e (vanilla, freescale)
+#   bash benchmarks/e2e_gpu.sh compiles1 # ~4 min, one H200: the 1-GPU e2e at the defaults with
+#                                      # every Triton compile logged (time, kernel, call site;
+#                                      # OLD_SRC=<dir>: first the same with that source tree)
 #   bash benchmarks/e2e_gpu.sh optim1  # ~5 min, one H200: the fused row-wise Adagrad's GPU
 #                                      # check, then 1-GPU e2e with it on and off (NE bits)
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
@@ -601,6 +604,39 @@ verify1)
     > "$OUT/e2e_1gpu.log" 2>&1
   echo "e2e rc=$?"
   grep -E "^\| (vanilla|freescale) " "$OUT/e2e_1gpu/e2e.md" | cut -d'|' -f1-6,16-18
+  ;;
+compiles1)
+  # (~2 min a tree, one H200) Triton compiles by time and call site in the 1-GPU e2e at
+  # the defaults (FS_TRITON_COMPILES, benchmarks/host_time/sitecustomize.py): a kernel
+  # variant first used in the profiled last steps stalls the host for its whole compile,
+  # which the report counts as bubble (session 25: freescale's was 197-325 ms per profiled
+  # step in every 1-GPU run with the fused Adagrad on). OLD_SRC=<dir>: that tree first.
+  for tree in ${OLD_SRC:-} src; do
+    name=now; [ "$tree" = src ] || name=old
+    # fresh compile caches for each tree: the second run must not find the first's
+    TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$name" TRITON_CACHE_DIR="/tmp/triton_$name" \
+    FS_TRITON_COMPILES="$OUT/compiles_$name" PYTHONPATH="benchmarks/host_time:$tree" \
+      timeout 200 $HEAD --out "$OUT/e2e_1gpu_$name" --nproc 1 --steps 200 \
+      --variants vanilla freescale > "$OUT/e2e_1gpu_$name.log" 2>&1
+    echo "$name rc=$?"
+    grep -E "^\| (variant|vanilla|freescale) " "$OUT/e2e_1gpu_$name/e2e.md" | cut -d'|' -f1-6
+    python - "$OUT/compiles_$name" "$OUT/e2e_1gpu_$name/e2e.json" <<'PY' | tee "$OUT/compiles_$name.txt"
+import glob, json, os, sys
+rep = json.load(open(sys.argv[2]))
+for r in rep["rows"]:
+    g = r.get("gpu_accounting") or {}
+    print(r["variant"], "bubble_ms", g.get("bubble_ms"), "window_ms", g.get("window_ms"))
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
+    rows = [json.loads(x) for x in open(f)]
+    t0, t1 = rows[0]["t_start"], max(r["t_start"] + r["seconds"] for r in rows)
+    total = sum(r["seconds"] for r in rows)
+    print(f"{os.path.basename(f)}: {len(rows)} compiles, {total:.1f} s; the last 6 "
+          f"(start s after the first; seconds; kernel; caller):")
+    for r in rows[-6:]:
+        print(f"  {r['t_start'] - t0:8.1f} {r['seconds']:6.2f}  {r['kernel'].split('.')[-1]:34s} "
+              f"{r['thread'][:12]:12s} {r['caller']}")
+PY
+  done
   ;;
 optim1)
   # (~5 min, one H200) session 23's fused row-wise Adagrad before it becomes the default:

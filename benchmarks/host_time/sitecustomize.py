@@ -18,6 +18,12 @@ to the step's wall time says whether the host, not the GPU, bounds the step.
 
 (``e2e_gpu.sh hostt``). A diagnostic: it prints nothing into benchmarks/results by
 itself; the phase copies its text files there.
+
+Independently, ``FS_TRITON_COMPILES=<dir>`` logs every Triton JIT compile of every
+process to ``<dir>/compiles_<pid>.jsonl`` (one JSON line each: start ``time.time()``,
+seconds, kernel, Triton's signature text, thread, innermost ``freescale`` frame of the
+call): a first use of a kernel variant inside measured steps stalls the host for the
+whole compile (``e2e_gpu.sh compiles``).
 """
 
 from __future__ import annotations
@@ -166,3 +172,44 @@ if os.environ.get("FS_HOSTT"):
 
     _install()
     atexit.register(_dump)
+
+
+if os.environ.get("FS_TRITON_COMPILES"):
+    import json as _json
+    import threading as _threading
+    import time as _time
+    import traceback as _traceback
+
+    import triton as _triton
+
+    _CDIR = os.environ["FS_TRITON_COMPILES"]
+    os.makedirs(_CDIR, exist_ok=True)
+    _started: dict = {}
+
+    def _caller() -> str:
+        for fr in reversed(_traceback.extract_stack()[:-3]):
+            if "/freescale/" in fr.filename:
+                return f"{fr.filename.split('/freescale/')[-1]}:{fr.lineno} {fr.name}"
+        return ""
+
+    def _before(*, key, **_: object) -> None:
+        _started[str(key)] = _time.time()
+        return None  # compile as usual
+
+    def _after(*, key, repr, fn, **_: object) -> None:  # noqa: A002
+        t0 = _started.pop(str(key), _time.time())
+        row = {
+            "pid": os.getpid(),
+            "t_start": t0,
+            "seconds": round(_time.time() - t0, 4),
+            "kernel": f"{fn.module}.{fn.name}",
+            "thread": _threading.current_thread().name,
+            "caller": _caller(),
+            "repr": repr[:500],
+        }
+        with open(os.path.join(_CDIR, f"compiles_{os.getpid()}.jsonl"), "a") as fh:
+            fh.write(_json.dumps(row) + "\n")
+        return None
+
+    _triton.knobs.runtime.jit_cache_hook = _before
+    _triton.knobs.runtime.jit_post_compile_hook = _after

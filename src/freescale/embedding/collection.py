@@ -52,8 +52,10 @@ from .reduce import (
 # the dense backward queued before it), "padded" (group_rows_padded: no read-back, one
 # slot per id, so the sum and the update run over every id instead of every row) or
 # "ahead" (group_rows_start when the ids arrive in the forward, its two counts copied to
-# the host behind an event and read in the backward, long after; where no grouping was
-# started ahead — the synchronous steps of the prioritized schedule — padded on CUDA).
+# the host behind an event and read in the backward, long after; the prioritized
+# schedule starts it for its subsets after the mask exchange and for its synchronous
+# steps when they are known to be; where no grouping was started ahead — a step made
+# stale by a flush after its forward — padded on CUDA).
 # All give bit-identical parameters and optimizer state.
 SPARSE_UPDATE_ENV_VAR = "FREESCALE_SPARSE_UPDATE"
 SPARSE_UPDATE_MODES = ("auto", "sync", "padded", "ahead")

@@ -576,6 +576,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 self._side_stream.wait_stream(compute)
 
         split, nxt, pending = None, None, None
+        if next_features is None:  # no lookahead: t updates synchronously
+            self._group_sync_step(dist_t)
         if next_features is not None:  # (b): first half now, second half in t's backward
             with self._on_side():
                 pending = self._look_ahead_start(dist_t, next_features)
@@ -883,7 +885,21 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         p.exchanged = self._mask_exchange(p)
         if p.exchanged[2]:  # prioritized: t's gradients will split by t+1's rows
             p.owner_split = self._owner_split(p)
+        else:  # fallback: t updates synchronously
+            self._group_sync_step(p.dist_t)
         self._toc("collision_detect", t0)
+
+    def _group_sync_step(self, dist_t: _IdDist) -> None:
+        """Start the row grouping of a step t known to update synchronously (no lookahead:
+        the last step before a flush or the end; a fallback), as the plain collection's id
+        dist does for every step (``ahead`` update). Its update then runs the grouped path
+        and kernels of every other step. Without it, such a step took the padded path, whose
+        first use (on CUDA: the last step of a run) compiled Triton kernels that no earlier
+        step had needed, a stall of seconds inside the last steps that the e2e report
+        profiles. A step made stale by a flush after its forward still takes the padded
+        path."""
+        if dist_t.groups is None and self.update_mode(dist_t.recv_keys.is_cuda) == "ahead":
+            dist_t.groups = group_rows_start(dist_t.recv_keys)
 
     def _owner_split(self, p: _PendingAhead) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
         """Owner side of t's gradient split: the shard rows of t's ids that t+1 touches
