@@ -101,6 +101,11 @@ def test_e2e_report_numerics(pool2, tmp_path):
             assert any(k.startswith("gloo:") and v["calls_per_step"] > 0 for k, v in cw.items())
             assert hc["host_wait_training_ms"] >= 0 and hc["host_wait_all_threads"], hc
     assert "host cpu/wall" in md and "GIL wait p99 ms" in md
+    # compiles inside the profiled window are counted for every variant (CompileWatch);
+    # none on CPU: nothing compiles after the first steps
+    assert "compiles in profiled window" in md
+    assert set(on_disk["headline"]["compiles_in_profiled_window"]) == set(VARIANTS)
+    assert on_disk["headline"]["profiled_window_compile_free"] is True
     if os.path.isdir("/proc/self/task"):  # the per-collective waits, listed per row
         assert "Training thread blocked in collectives' wait() and host waits" in md
         assert all(f"- {v}" in md for v in VARIANTS)

@@ -620,6 +620,20 @@ def _unprofiled(row: dict[str, Any]) -> dict[str, float] | None:
     }
 
 
+def _compiles(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Compiles inside the row's profiled window, the largest over ranks (``jit_compiles``,
+    ``jit_compile_s``: Triton JIT; ``dynamo_graphs``: torch.compile, None if unknown), or
+    None for a report written before they were counted (session 25)."""
+    a = row.get("gpu_accounting") or {}
+    if a.get("jit_compiles_in_window") is None:
+        return None
+    return {
+        "jit_compiles": int(a["jit_compiles_in_window"]),
+        "jit_compile_s": float(a.get("jit_compile_s_in_window") or 0.0),
+        "dynamo_graphs": a.get("dynamo_graphs_in_window"),
+    }
+
+
 def headline(
     rows: list[dict[str, Any]],
     baseline: dict[str, Any] | None = None,
@@ -672,6 +686,15 @@ def headline(
                 if name != "vanilla":
                     key = "" if name == "freescale" else f"_{name}"
                     out[f"noncompute_reduction_unprofiled{key}"] = 1.0 - v / nc["vanilla"]
+    # compiles inside the profiled window (pipeline/compile_watch.py): a kernel variant
+    # first used there stalls the host for its compile, which reads as bubble
+    comp = {n: _compiles(r) for n, r in by.items()}
+    comp = {n: c for n, c in comp.items() if c is not None}
+    if comp:
+        out["compiles_in_profiled_window"] = comp
+        out["profiled_window_compile_free"] = all(
+            c["jit_compiles"] == 0 and not c["dynamo_graphs"] for c in comp.values()
+        )
     if "freescale" in by:
         fs = by["freescale"]
         out["straggler_share_vanilla"] = van["straggler_share_median"]
@@ -905,6 +928,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + ["unprofiled step ms", "non-compute ms (unprofiled est.)", "profiler inflation ms"]
         + ["data stage busy ms", "data stage blocked ms"]
         + ["host wait ms training thread"]
+        + ["compiles in profiled window"]
     )
     lines = [
         f"# E2E benchmark ({report['device']}, {report['world_size']} ranks)",
@@ -947,6 +971,13 @@ def _markdown(report: dict[str, Any]) -> str:
         cells += [f"{dt[k]:.2f}" for k in ("busy_ms", "blocked_ms")] if dt else ["n/a"] * 2
         cw = (hc or {}).get("host_wait_training_ms")
         cells.append("n/a" if cw is None else f"{cw:.2f}")
+        cc = _compiles(r)
+        cells.append(
+            "n/a"
+            if cc is None
+            else f"{cc['jit_compiles']} Triton ({cc['jit_compile_s']:.2f} s), "
+            f"{'?' if cc['dynamo_graphs'] is None else cc['dynamo_graphs']} graphs"
+        )
         lines.append("| " + " | ".join(cells) + " |")
     h = report["headline"]
     if h.get("qps_by_pass"):
@@ -994,7 +1025,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "step inside collectives' wait() and in host waits for the device (device:*: the "
         "mask read, the step marks) (comm.base.wait_clock; NCCL waits are stream waits, "
         "gloo / copy-engine / host-staged ones block the thread until the peers or the "
-        "backend's worker got there; per collective in the list below the table).",
+        "backend's worker got there; per collective in the list below the table). "
+        "Compiles in profiled window: the largest count over ranks of Triton JIT compiles "
+        "(their seconds) and torch.compile graphs inside the profiled steps "
+        "(pipeline/compile_watch.py); a compile there stalls the host and reads as bubble.",
     ]
     proj = report.get("projection")
     if proj:

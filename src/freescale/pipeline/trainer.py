@@ -53,6 +53,7 @@ from ..metrics.auc import AUCAccumulator
 from ..metrics.host_cpu import GilProbe, ThreadCpuMeter
 from ..metrics.ne import NEAccumulator
 from ..models.sequence import SequenceRecModel, sum_bce_loss
+from .compile_watch import CompileWatch
 from .data_stage import DataStageThread, PreparedBatch
 from .distributed import RankContext, check_config_hash, init_distributed
 from .placement import (
@@ -898,6 +899,7 @@ class Trainer:
         t_start: float | None = None
         t_stop: float | None = None
         profiler = None
+        watch: CompileWatch | None = None  # compiles inside the profiled window
         loader = self._loader(first, steps)
         n_ahead = self._ahead_hooks()
         stage = None
@@ -946,6 +948,8 @@ class Trainer:
                     t_stop = time.perf_counter()
                     host_cpu = close_cpu_window()
                     profiler = _start_profiler(self.device, cfg.profile_activities)
+                    watch = CompileWatch(triton=self.device.type == "cuda")
+                    watch.start()
                     if pin is not None:  # the profiler's threads: off the training core
                         apply_placement(pin)
                 marks = _Marks(self.device) if self.events_timing else None
@@ -990,6 +994,8 @@ class Trainer:
         except BaseException:
             if profiler is not None:
                 profiler.stop()
+            if watch is not None:
+                watch.stop()
             self.flush()  # deferred updates are applied before the error propagates
             raise
         finally:
@@ -1013,7 +1019,8 @@ class Trainer:
         accounting = None
         if profiler is not None:
             profiler.stop()
-            accounting = self._accounting(profiler, prof_steps)
+            compiles = watch.stop() if watch is not None else {}
+            accounting = self._accounting(profiler, prof_steps, compiles)
         if bar is not None:
             bar.close()
         ev = self.evaluate() if steps > 0 else {}
@@ -1165,12 +1172,17 @@ class Trainer:
         if bar is not None:
             bar.update(1)
 
-    def _accounting(self, profiler: Any, steps: int) -> dict[str, Any]:
-        """GPU accounting of the profiled window on every rank (all-gathered), and the
-        Chrome traces kept under ``cfg.trace_dir`` when set."""
+    def _accounting(
+        self, profiler: Any, steps: int, compiles: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """GPU accounting of the profiled window on every rank (all-gathered), the
+        compiles inside it (``compiles``: this rank's `CompileWatch` counts; reported as
+        the largest over ranks, since the ranks step in lockstep), and the Chrome traces
+        kept under ``cfg.trace_dir`` when set."""
         import tempfile
 
         from .accounting import ACCOUNTING_KEYS, gpu_accounting, merge_ranks
+        from .compile_watch import COMPILE_KEYS
 
         keep = self.cfg.trace_dir
         if keep:
@@ -1187,9 +1199,12 @@ class Trainer:
         finally:
             if not keep and os.path.exists(path):
                 os.remove(path)
+        compiles = compiles or {}
+        nan = float("nan")
         vec = torch.tensor(
             [1.0 if mine.get("available") else 0.0]
-            + [float(mine.get(k, 0.0)) for k in ACCOUNTING_KEYS],
+            + [float(mine.get(k, 0.0)) for k in ACCOUNTING_KEYS]
+            + [nan if compiles.get(k) is None else float(compiles[k]) for k in COMPILE_KEYS],
             dtype=torch.float64,
         )
         if self.world_size > 1:
@@ -1197,14 +1212,19 @@ class Trainer:
             rows = [p.cpu().tolist() for p in parts]
         else:
             rows = [vec.tolist()]
+        na = len(ACCOUNTING_KEYS)
         per_rank = [
-            {"available": bool(r[0]), **dict(zip(ACCOUNTING_KEYS, r[1:]))}
+            {"available": bool(r[0]), **dict(zip(ACCOUNTING_KEYS, r[1 : 1 + na]))}
             if r[0]
             else {"available": False, "reason": mine.get("reason", "no GPU activity")}
             for r in rows
         ]
         out = merge_ranks(per_rank)
         out["per_rank"] = per_rank
+        for i, k in enumerate(COMPILE_KEYS):
+            vals = [r[1 + na + i] for r in rows if not math.isnan(r[1 + na + i])]
+            out[k] = max(vals) if vals else None
+        out["jit_kernels_in_window_this_rank"] = compiles.get("jit_kernels", {})
         # which collective kinds the compute stream waited for, on this rank
         out["exposed_by_kind_ms_this_rank"] = mine.get("exposed_by_kind_ms")
         out["profiled_steps"] = steps
