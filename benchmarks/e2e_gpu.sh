@@ -611,6 +611,9 @@ compiles1)
   # variant first used in the profiled last steps stalls the host for its whole compile,
   # which the report counts as bubble (session 25: freescale's was 197-325 ms per profiled
   # step in every 1-GPU run with the fused Adagrad on). OLD_SRC=<dir>: that tree first.
+  # First the check that CompileWatch (the report's own count) sees real compiles.
+  timeout 60 python benchmarks/check_compile_watch_cuda.py > "$OUT/check_compile_watch.log" 2>&1
+  echo "check_compile_watch rc=$?"; tail -2 "$OUT/check_compile_watch.log"
   for tree in ${OLD_SRC:-} src; do
     name=now; [ "$tree" = src ] || name=old
     # fresh compile caches for each tree: the second run must not find the first's
@@ -625,7 +628,9 @@ import glob, json, os, sys
 rep = json.load(open(sys.argv[2]))
 for r in rep["rows"]:
     g = r.get("gpu_accounting") or {}
-    print(r["variant"], "bubble_ms", g.get("bubble_ms"), "window_ms", g.get("window_ms"))
+    print(r["variant"], "bubble_ms", g.get("bubble_ms"), "window_ms", g.get("window_ms"),
+          "compiles in window (CompileWatch)", g.get("jit_compiles_in_window"),
+          g.get("dynamo_graphs_in_window"))
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     rows = [json.loads(x) for x in open(f)]
     t0, t1 = rows[0]["t_start"], max(r["t_start"] + r["seconds"] for r in rows)
