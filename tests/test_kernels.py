@@ -841,3 +841,43 @@ def test_block_mask_first_use_check_catches_a_wrong_table():
         bad[k].view(-1)[-1] += 1
         with pytest.raises(RuntimeError, match=f"Triton table '{name}' differs"):
             seq._first_use_check(tuple(bad), lengths, tp, t, 128)
+
+
+# the only non-pointer runtime arguments Triton may specialize on their value: fixed for
+# a run (an embedding row's width) or floats (Triton does not specialize floats)
+SPECIALIZED_OK = {
+    ("_row_copy_kernel", "row_width"),
+    ("_rowwise_adagrad_kernel", "lr"),
+    ("_rowwise_adagrad_kernel", "eps"),
+}
+
+
+def test_kernels_do_not_specialize_per_call_counts():
+    """Every launched Triton kernel leaves its integer arguments unspecialized
+    (``do_not_specialize``) unless listed above. Triton compiles a separate variant for
+    an int equal to 1 and for a multiple of 16, so a count that changes every call
+    would compile a variant at whatever step first shows such a value, stalling the
+    host for the compile (session 25 found a late compile making a report's profiled
+    bubble 236 ms per step)."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    from freescale import kernels
+
+    names = ["triton_impl", "triton_dispatch_v4", "segment_tree", "sparse_optim", "block_mask"]
+    found = []
+    for name in names:
+        mod = importlib.import_module(f"{kernels.__name__}.{name}")
+        for attr, obj in vars(mod).items():
+            if not attr.endswith("_kernel") or not hasattr(obj, "fn"):
+                continue
+            if not hasattr(obj, "params"):  # the interpreter's wrapper: the same decorator
+                dns = obj.kwargs.get("do_not_specialize")  # arguments, compiled
+                obj = JITFunction(obj.fn, do_not_specialize=dns)
+            found.append(attr)
+            for p in obj.params:
+                if p.is_constexpr or p.do_not_specialize or p.name.endswith("_ptr"):
+                    continue
+                assert (attr, p.name) in SPECIALIZED_OK, f"{name}.{attr}: {p.name}"
+    assert {"_gather_blocks_kernel", "_v4_scatter_kernel", "_chunk_tree_kernel"} <= set(found)

@@ -738,7 +738,11 @@ def ranged_dispatch(
 # ---------------------------------------------------------------------------------------
 
 
-@triton.jit
+# counts that change from call to call are not specialized (do_not_specialize): Triton
+# compiles a variant for an int equal to 1 and one for a multiple of 16, and a variant's
+# first use can come at any step, stalling the host for the compile
+# (tests/test_kernels.py::test_kernels_do_not_specialize_per_call_counts)
+@triton.jit(do_not_specialize=["n_rows"])
 def _row_copy_kernel(
     src_ptr,
     dst_ptr,
@@ -796,7 +800,7 @@ def ranged_combine_backward(grad: torch.Tensor, unbucketize_permute: torch.Tenso
 # ---------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "n_out"])
 def _gather_blocks_kernel(
     src_ptr,
     dst_ptr,
