@@ -22,7 +22,8 @@
 #                                      # then the 1-GPU e2e (vanilla, freescale)
 #   bash benchmarks/e2e_gpu.sh compiles1 # ~4 min, one H200: the 1-GPU e2e at the defaults with
 #                                      # every Triton compile logged (time, kernel, call site;
-#                                      # OLD_SRC=<dir>: first the same with that source tree)
+#                                      # OLD_SRC=<dir>: first the same with that source tree;
+#                                      # COMPILES_STEPS / COMPILES_LIMIT: steps, time limit)
 #   bash benchmarks/e2e_gpu.sh optim1  # ~5 min, one H200: the fused row-wise Adagrad's GPU
 #                                      # check, then 1-GPU e2e with it on and off (NE bits)
 #   bash benchmarks/e2e_gpu.sh main    # 2 GPUs: vanilla, two legal reorderings (noise floor), a
@@ -619,7 +620,8 @@ compiles1)
     # fresh compile caches for each tree: the second run must not find the first's
     TORCHINDUCTOR_CACHE_DIR="/tmp/inductor_$name" TRITON_CACHE_DIR="/tmp/triton_$name" \
     FS_TRITON_COMPILES="$OUT/compiles_$name" PYTHONPATH="benchmarks/host_time:$tree" \
-      timeout 200 $HEAD --out "$OUT/e2e_1gpu_$name" --nproc 1 --steps 200 \
+      timeout "${COMPILES_LIMIT:-200}" $HEAD --out "$OUT/e2e_1gpu_$name" --nproc 1 \
+      --steps "${COMPILES_STEPS:-200}" \
       --variants vanilla freescale > "$OUT/e2e_1gpu_$name.log" 2>&1
     echo "$name rc=$?"
     grep -E "^\| (variant|vanilla|freescale) " "$OUT/e2e_1gpu_$name/e2e.md" | cut -d'|' -f1-6
@@ -635,8 +637,10 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     rows = [json.loads(x) for x in open(f)]
     t0, t1 = rows[0]["t_start"], max(r["t_start"] + r["seconds"] for r in rows)
     total = sum(r["seconds"] for r in rows)
-    print(f"{os.path.basename(f)}: {len(rows)} compiles, {total:.1f} s; the last 6 "
-          f"(start s after the first; seconds; kernel; caller):")
+    end = os.path.getmtime(sys.argv[2]) - t0
+    print(f"{os.path.basename(f)}: {len(rows)} compiles, {total:.1f} s; report written "
+          f"{end:.1f} s after the first; the last 6 (start s after the first; seconds; "
+          f"kernel; caller):")
     for r in rows[-6:]:
         print(f"  {r['t_start'] - t0:8.1f} {r['seconds']:6.2f}  {r['kernel'].split('.')[-1]:34s} "
               f"{r['thread'][:12]:12s} {r['caller']}")
