@@ -90,19 +90,27 @@ class _CompileLate(TrainerHook):
 
 def _train(rank, world, cfg, late):
     tr = Trainer(cfg, hooks=[_CompileLate(cfg.steps)] if late else [])
-    return tr.train()["gpu_accounting"]
+    return tr.train()
 
 
-def test_the_trainer_reports_compiles_inside_the_profiled_window(pool2):
+def test_the_trainer_reports_compiles_inside_the_profiled_window(pool2, capsys):
     import dataclasses
 
     from tests.test_trainer import tiny_config
 
     cfg = dataclasses.replace(tiny_config(steps=6, dtype="float32"), profile_steps=2)
+    from freescale.cli import _print_summary
+
     clean = pool2.run(_train, cfg, False)
     late = pool2.run(_train, cfg, True)
-    for acc in clean:
+    for s in clean:
+        acc = s["gpu_accounting"]
         assert acc["profiled_steps"] == 2
         assert acc["jit_compiles_in_window"] == 0 and acc["dynamo_graphs_in_window"] == 0
-    for acc in late:  # the largest over ranks: rank 0 sees rank 1's compile too
-        assert acc["dynamo_graphs_in_window"] >= 1
+    for s in late:  # the largest over ranks: rank 0 sees rank 1's compile too
+        assert s["gpu_accounting"]["dynamo_graphs_in_window"] >= 1
+    # `freescale train` prints a warning line for the late run only
+    _print_summary(clean[0])
+    assert "compiles inside the profiled steps" not in capsys.readouterr().out
+    _print_summary(late[0])
+    assert "warning: compiles inside the profiled steps" in capsys.readouterr().out

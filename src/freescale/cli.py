@@ -485,6 +485,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
     elif acc:
         print(f"GPU accounting: not available ({acc.get('reason')})")
+    if acc and (acc.get("jit_compiles_in_window") or acc.get("dynamo_graphs_in_window")):
+        kernels = ", ".join(acc.get("jit_kernels_in_window_this_rank") or {}) or "-"
+        print(
+            f"warning: compiles inside the profiled steps (largest over ranks): "
+            f"{acc['jit_compiles_in_window']:.0f} Triton ({acc['jit_compile_s_in_window']:.2f} s;"
+            f" rank 0: {kernels}), {acc.get('dynamo_graphs_in_window')} torch.compile graphs;"
+            f" the host stalls for each, and the GPU numbers above count it as bubble"
+        )
     if acc and acc.get("trace_dir"):
         print(f"traces (open in https://ui.perfetto.dev): {acc['trace_dir']}/trace_rank*.json")
     sys.stdout.flush()
