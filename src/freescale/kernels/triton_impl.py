@@ -802,7 +802,7 @@ def ranged_combine_backward(grad: torch.Tensor, unbucketize_permute: torch.Tenso
 
 # n_out stays specialized: its divisibility by 16 lets the compiler vectorize the masked
 # copy (unspecialized, indexed_permute and keyed_transpose took 2-7% longer at 2^26 ids
-# on an H200, kernels_1f54801.json); its ==1 variant needs a one-id call
+# on an H200, kernels_040c3e7.json); its ==1 variant needs a one-id call
 @triton.jit(do_not_specialize=["n_blocks"])
 def _gather_blocks_kernel(
     src_ptr,
