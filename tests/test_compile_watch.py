@@ -114,3 +114,30 @@ def test_the_trainer_reports_compiles_inside_the_profiled_window(pool2, capsys):
     assert "compiles inside the profiled steps" not in capsys.readouterr().out
     _print_summary(late[0])
     assert "warning: compiles inside the profiled steps" in capsys.readouterr().out
+
+
+def test_the_compile_log_diagnostic_writes_one_line_per_compile(tmp_path):
+    """benchmarks/host_time/sitecustomize.py with FS_TRITON_COMPILES (CompileWatch's
+    ``on_compile``), in a fresh process; the hooks are called as Triton calls them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import triton\n"
+        "k = triton.knobs.runtime\n"
+        "fn = type('Info', (), {'module': 'm', 'name': '_k'})()\n"
+        "assert not k.jit_cache_hook(key='a', fn=fn, repr='r', compile={})\n"
+        "k.jit_post_compile_hook(key='a', fn=fn, repr='r', compile={})\n"
+    )
+    env = dict(os.environ, FS_TRITON_COMPILES=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root / "benchmarks" / "host_time"), str(root / "src"), env.get("PYTHONPATH", "")]
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    (log,) = tmp_path.glob("compiles_*.jsonl")
+    (row,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert row["kernel"] == "m._k" and row["seconds"] >= 0 and row["thread"] == "MainThread"

@@ -180,28 +180,22 @@ if os.environ.get("FS_TRITON_COMPILES"):
     import time as _time
     import traceback as _traceback
 
-    import triton as _triton
+    from freescale.pipeline.compile_watch import CompileWatch
 
     _CDIR = os.environ["FS_TRITON_COMPILES"]
     os.makedirs(_CDIR, exist_ok=True)
-    _started: dict = {}
 
     def _caller() -> str:
         for fr in reversed(_traceback.extract_stack()[:-3]):
-            if "/freescale/" in fr.filename:
+            if "/freescale/" in fr.filename and "compile_watch" not in fr.filename:
                 return f"{fr.filename.split('/freescale/')[-1]}:{fr.lineno} {fr.name}"
         return ""
 
-    def _before(*, key, **_: object) -> None:
-        _started[str(key)] = _time.time()
-        return None  # compile as usual
-
-    def _after(*, key, repr, fn, **_: object) -> None:  # noqa: A002
-        t0 = _started.pop(str(key), _time.time())
+    def _log(seconds: float, *, repr, fn, **_: object) -> None:  # noqa: A002
         row = {
             "pid": os.getpid(),
-            "t_start": t0,
-            "seconds": round(_time.time() - t0, 4),
+            "t_start": _time.time() - seconds,
+            "seconds": round(seconds, 4),
             "kernel": f"{fn.module}.{fn.name}",
             "thread": _threading.current_thread().name,
             "caller": _caller(),
@@ -209,7 +203,6 @@ if os.environ.get("FS_TRITON_COMPILES"):
         }
         with open(os.path.join(_CDIR, f"compiles_{os.getpid()}.jsonl"), "a") as fh:
             fh.write(_json.dumps(row) + "\n")
-        return None
 
-    _triton.knobs.runtime.jit_cache_hook = _before
-    _triton.knobs.runtime.jit_post_compile_hook = _after
+    # the trainer's own CompileWatch (profiled window) chains onto these hooks
+    CompileWatch(triton=True, on_compile=_log).start()  # for the whole process

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["CompileWatch", "COMPILE_KEYS"]
@@ -42,10 +43,14 @@ def _dynamo_graphs() -> int | None:
 class CompileWatch:
     """Counts compiles between :meth:`start` and :meth:`stop` (once each; not
     reentrant). ``triton``: watch Triton's JIT too (on GPU runs; a CPU run's kernels
-    run in the interpreter, which compiles nothing)."""
+    run in the interpreter, which compiles nothing). ``on_compile``: also called after
+    each Triton compile, in the compiling thread, with the compile's seconds and Triton's
+    hook arguments (``key``, ``repr``, ``fn``, ...), e.g. to log it
+    (``benchmarks/host_time/sitecustomize.py``)."""
 
-    def __init__(self, triton: bool = True) -> None:
+    def __init__(self, triton: bool = True, on_compile: Callable[..., None] | None = None) -> None:
         self._triton = triton
+        self._on_compile = on_compile
         self._lock = threading.Lock()
         self._started: dict[tuple[int, str], float] = {}
         self._count = 0
@@ -81,6 +86,8 @@ class CompileWatch:
                 self._seconds += now - t0
                 name = getattr(kw.get("fn"), "name", "?")
                 self._kernels[name] = self._kernels.get(name, 0) + 1
+            if self._on_compile is not None:
+                self._on_compile(now - t0, **kw)
             return prev_after(**kw) if prev_after is not None else None
 
         self._knobs, self._prev = knobs, (prev_before, prev_after)
