@@ -1,0 +1,187 @@
+"""Figure "dispatch_v5": the Gluon shared-memory dispatch (v5) against v4 on one GPU.
+
+Issue 3's last open target is `dispatch_fraction_of_hbm_floor` >= 0.5 at 2^26 ids and
+W=1024 (v4: 0.14). v4's docstring and BENCHMARKS.md trace the gap to state that belongs
+in shared memory. `kernels/triton_dispatch_v5.py` keeps it there (Gluon buffers, PTX
+accesses). This script:
+
+1. checks v5 bit for bit against `reference.ranged_dispatch` on fresh random inputs
+   (W = 1 .. 4096, int32 and int64, block and modulo, empty segments, ids at range
+   borders, segments crossing tiles, several tiles and warp counts); any mismatch ends
+   the run with exit 1 before timing;
+2. times v4 (defaults) and v5 (a few tile x warps configs) on `kernels.py`'s large
+   workload (2^26 ids, 4 keys, 8192 samples) at W = 8 .. 1024 (CUDA events,
+   `triton.testing.do_bench` median), each call first checked equal to v4's output;
+3. splits one call of each into kernels (torch.profiler), at W = 8 and 1024.
+
+The floor is `kernels.py`'s: bytes that must be read and written / measured copy
+bandwidth. Usage (one H200, ~2-3 min):
+
+    PYTHONPATH=src python benchmarks/dispatch_v5.py --out DIR --git-sha SHA
+
+Writes DIR/dispatch_v5.json (figure, device, git sha, date, command, rows, headline:
+`v5_fraction_of_hbm_floor_w1024`, `v4_fraction_of_hbm_floor_w1024`, the best v5 config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from freescale.kernels import reference
+from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _figure import figure_header, write_figure  # noqa: E402
+from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  # noqa: E402
+
+FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
+WORLDS = [8, 32, 128, 512, 1024]
+CONFIGS = {  # name -> V5Config fields
+    "v5_t2048_w4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4},
+    "v5_t4096_w4": {"tile": 4096, "count_warps": 4, "scatter_warps": 4},
+    "v5_t4096_w8": {"tile": 4096, "count_warps": 8, "scatter_warps": 8},
+    "v5_t8192_w8": {"tile": 8192, "count_warps": 8, "scatter_warps": 8},
+}
+
+
+def _diff(a, b) -> list[str]:
+    return [f for f in FIELDS if not torch.equal(getattr(a, f), getattr(b, f))]
+
+
+def check(v5, g: torch.Generator) -> int:
+    """Bitwise v5 == reference on random inputs; prints and counts mismatches."""
+    bad = cases = 0
+    for w in (1, 2, 7, 8, 33, 64, 1000, 1024, 4096):
+        for dt in (torch.int32, torch.int64):
+            for k, b, maxlen in ((3, 257, 40), (2, 64, 3000)):
+                lengths = torch.randint(0, maxlen, (k * b,), device="cuda", generator=g)
+                lengths[torch.randint(0, k * b, (k * b // 5,), device="cuda", generator=g)] = 0
+                lengths = lengths.to(dt)
+                n = int(lengths.sum())
+                rows = torch.tensor([1000, 4099, 37][:k], device="cuda")
+                blocks = (rows + w - 1) // w
+                key = torch.repeat_interleave(torch.arange(k, device="cuda"), b)
+                seg_rows = torch.repeat_interleave(rows[key], lengths.long())
+                vals = (torch.rand(n, device="cuda", generator=g) * seg_rows).long()
+                # ids at block borders and past the last block (the modulo fallback)
+                border = torch.rand(n, device="cuda", generator=g) < 0.1
+                edge = (vals // blocks[key.repeat_interleave(lengths.long())].clamp(min=1)) * (
+                    blocks[key.repeat_interleave(lengths.long())]
+                )
+                vals = torch.where(border, edge, vals).to(dt)
+                for mode in ("block", "modulo"):
+                    args = (vals, lengths, blocks.to(dt), w)
+                    ref = reference.ranged_dispatch(*args, mode=mode)
+                    for cfg in (
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1),
+                        v5.V5Config(tile=256, count_warps=4, scatter_warps=2),
+                        v5.V5Config(tile=1024, count_warps=8, scatter_warps=8),
+                        v5.V5Config(),
+                    ):
+                        if not v5.v5_supported(w, None, cfg):
+                            continue
+                        cases += 1
+                        got = v5.ranged_dispatch_v5(*args, mode=mode, config=cfg)
+                        wrong = _diff(ref, got)
+                        if wrong:
+                            bad += 1
+                            print(f"MISMATCH v5 w={w} {dt} k={k} b={b} {mode} {cfg}: {wrong}")
+    print(f"v5 check: {cases} cases, {bad} mismatches", flush=True)
+    return bad
+
+
+def profile_one(fn, calls: int = 5) -> dict[str, float]:
+    """Device ms per call per kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            out[ev.name[:60]] += ev.device_time_total / 1e3 / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--git-sha", default=None)
+    p.add_argument("--worlds", type=int, nargs="*", default=WORLDS)
+    p.add_argument("--check-only", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("dispatch_v5.py needs a CUDA GPU (v5 is Gluon: no interpreter)")
+    from freescale.kernels import triton_dispatch_v5 as v5
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bad = check(v5, g)
+    report: dict[str, Any] = figure_header("dispatch_v5", args.git_sha)
+    report["command"] = "python benchmarks/dispatch_v5.py " + shlex.join(argv or sys.argv[1:])
+    report["check"] = {"mismatches": bad}
+    if bad or args.check_only:
+        write_figure(args.out, report)
+        return 1 if bad else 0
+
+    wl = make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)
+    values, lengths, n = wl["values"], wl["lengths"], wl["n"]
+    bw = copy_bandwidth(dev, 1 << 30)
+    rows: list[dict[str, Any]] = []
+    idx_bytes, len_bytes = values.element_size(), lengths.element_size()
+    for w in args.worlds:
+        a = (values, lengths, block_sizes_for(w, dev), w)
+        want = ranged_dispatch_v4(*a)
+        fns = {"v4": lambda a=a: ranged_dispatch_v4(*a)}
+        for name, fields in CONFIGS.items():
+            cfg = v5.V5Config(**fields)
+            if v5.v5_supported(w, None, cfg):
+                fns[name] = lambda a=a, cfg=cfg: v5.ranged_dispatch_v5(*a, config=cfg)
+        floor_ms = (2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + w)) / bw * 1e3
+        for name, fn in fns.items():
+            wrong = _diff(want, fn())
+            if wrong:
+                print(f"MISMATCH {name} vs v4 at W={w}: {wrong}", flush=True)
+                report["check"]["large_mismatch"] = f"{name} W={w} {wrong}"
+                write_figure(args.out, report)
+                return 1
+            ms, _ = time_fast(fn, dev, reps=0)
+            row = {"world": w, "impl": name, "ms": ms, "floor_ms": floor_ms,
+                   "fraction_of_hbm_floor": floor_ms / ms}  # fmt: skip
+            if w in (8, 1024):
+                row["kernels_ms"] = profile_one(fn)
+            rows.append(row)
+            print(f"W={w:5d} {name:14s} {ms:7.3f} ms  floor {floor_ms:.3f}  "
+                  f"fraction {floor_ms / ms:.3f}", flush=True)  # fmt: skip
+    report["rows"] = rows
+    report["copy_bandwidth_gbs"] = bw / 1e9
+    report["workload"] = {"n": n, "keys": 4, "batch": 8192, "values": str(values.dtype)}
+    at = [r for r in rows if r["world"] == 1024]
+    v5_rows = [r for r in at if r["impl"] != "v4"]
+    if at:
+        best = max(v5_rows, key=lambda r: r["fraction_of_hbm_floor"]) if v5_rows else None
+        report["headline"] = {
+            "v4_fraction_of_hbm_floor_w1024": next(
+                (r["fraction_of_hbm_floor"] for r in at if r["impl"] == "v4"), None
+            ),
+            "v5_fraction_of_hbm_floor_w1024": best and best["fraction_of_hbm_floor"],
+            "v5_best_config_w1024": best and best["impl"],
+        }
+    path = write_figure(args.out, report)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

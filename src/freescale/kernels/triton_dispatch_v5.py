@@ -1,0 +1,649 @@
+"""Ranged dispatch "v5" (experimental, opt-in): v4's tables, scan and finish pass with
+its rank and scatter kernels replaced by two Gluon kernels that keep their per-tile
+state in shared memory.
+
+Owns: `ranged_dispatch_v5`, `V5Config`, `v5_supported`, `check_layout` and the two
+Gluon kernels. Same semantics and bits as `reference.ranged_dispatch` for inputs without
+weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200 by
+`benchmarks/check_kernels_cuda.py --v5`); it is not used by training or
+`ops.ranged_dispatch`. It exists to answer a question measured on one H200: how close to
+the HBM floor a dispatch gets when a Triton kernel may index shared memory (issue 3).
+
+Why: v4 (`triton_dispatch_v4.py`) is bound at W = 1024 by two costs that belong in
+shared memory (its module docstring and BENCHMARKS.md "kernels" have the counters):
+per-tile counters written back to L2 after every 32 ids, and a scatter storing every
+8-byte id to its own sector. Triton's language cannot index shared memory per lane.
+Gluon (``triton.experimental.gluon``, shipped with Triton) can reserve a shared buffer;
+the per-lane loads, stores and atomics on it are PTX through
+``inline_asm_elementwise``, addressed from Triton's ``global_smem`` symbol plus the
+buffers' offsets, which `check_layout` reads back from each compiled kernel.
+
+Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
+
+* `_v5_count_kernel`: per-dest counters in shared memory, one ``atom.shared.add`` per
+  id; before the piece of every segment the tile owns, the counters are copied to
+  snaps[s, :] (v4's "rows" snapshot, so v4's finish pass makes lengths, et rows, splits
+  and key counts unchanged); counts[d * T + t] at the end. Reads each id once; writes
+  no per-id state (v4's rank kernel writes a 4-byte rank per id and reads it back).
+* `_v5_scatter_kernel`: warp w owns the w-th contiguous sub-range of the tile.
+  (a) each warp counts its sub-range's dests into its own shared row and keeps each
+  id's dest; (b) per dest, the tile-local start (exclusive scan over dests) plus the
+  counts of earlier warps; (c) each warp walks its sub-range in order, 32 ids at a
+  time: ``match.any`` gives same-dest lanes, the stable slot is the warp's running
+  count + earlier peers, the dest's last lane advances the count; the local row goes
+  to a shared staging array at its slot and the output position to perm (input order,
+  coalesced); (d) the staging array is written out in slot order, so consecutive lanes
+  store consecutive addresses within each dest's run (tile / W ids long).
+
+The output is the stable sort by dest of each tile (v4's definition), so positions
+equal v4's bit for bit. No atomics on global memory, one writer per output element.
+CPU: the kernels need a GPU (Gluon has no interpreter); tests compile them for sm_90
+(`compile_v5_for`) and check the shared-memory layout assumption, and the GPU check
+compares the bits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from freescale.kernels import reference
+from freescale.kernels.common import DispatchResult, cdiv, check_dispatch_inputs, next_power_of_2
+from freescale.kernels.triton_dispatch_v4 import (
+    FUSED_TABLES_MAX_TILES,
+    TABLE_BLOCK,
+    _carve,
+    _v4_finish_rows_kernel,
+    _v4_segment_kernel,
+    _v4_tables_kernel,
+    _v4_tile_table_kernel,
+)
+
+V5_MAX_WORLD = 4096  # per-warp counter rows: NW * W * 4 bytes of shared memory
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 program may use
+
+
+# ---------------------------------------------------------------------------------------
+# shared memory through PTX (byte offsets relative to the reserved buffer)
+# ---------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _sh_ld32(off):
+    """ld.shared.u32 at byte offset `off` (int32 tensor) of the reserved buffer."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.u32 $0, [a]; }",
+        "=r,r",
+        [off],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_ld64(off):
+    """ld.shared.u64 at byte offset `off` (8-byte aligned)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.u64 $0, [a]; }",
+        "=l,r",
+        [off],
+        dtype=gl.int64,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_st32(off, value, pred):
+    """st.shared.u32 where `pred` (int32 != 0); returns a dummy 0 (asm needs a result)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; .reg .pred p; setp.ne.s32 p, $3, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p st.shared.u32 [a], $2; mov.u32 $0, 0; }",
+        "=r,r,r,r",
+        [off, value, pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_st64(off, value, pred):
+    """st.shared.u64 where `pred`; dummy result."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; .reg .pred p; setp.ne.s32 p, $3, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p st.shared.u64 [a], $2; mov.u32 $0, 0; }",
+        "=r,r,l,r",
+        [off, value, pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_add32(off, pred):
+    """atom.shared.add.u32 of 1 where `pred`; dummy result."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a, o; .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p atom.shared.add.u32 o, [a], 1; mov.u32 $0, 0; }",
+        "=r,r,r",
+        [off, pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _warp_sync(x):
+    """bar.warp.sync: orders the shared accesses of a warp's lanes (x: any int32 tensor
+    of the layout; the dummy result keeps the asm in program order)."""
+    return gl.inline_asm_elementwise(
+        "bar.warp.sync -1; mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _match_any(x):
+    """match.any.sync: per lane, the lanes of its warp holding the same int32."""
+    return gl.inline_asm_elementwise(
+        "match.any.sync.b32 $0, $1, -1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _popc(x):
+    return gl.inline_asm_elementwise(
+        "popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _warp_inclusive_scan(x):
+    """Inclusive prefix sum of int32 x over the lanes of each warp (PTX shfl.sync.up;
+    element i of a warp's 32 must live in lane i)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 v, u; .reg .pred p; mov.u32 v, $1; "
+        "shfl.sync.up.b32 u|p, v, 1, 0, -1; @p add.u32 v, v, u; "
+        "shfl.sync.up.b32 u|p, v, 2, 0, -1; @p add.u32 v, v, u; "
+        "shfl.sync.up.b32 u|p, v, 4, 0, -1; @p add.u32 v, v, u; "
+        "shfl.sync.up.b32 u|p, v, 8, 0, -1; @p add.u32 v, v, u; "
+        "shfl.sync.up.b32 u|p, v, 16, 0, -1; @p add.u32 v, v, u; mov.u32 $0, v; }",
+        "=r,r",
+        [x],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _owner(ids, blk, WORLD: gl.constexpr, MODULO: gl.constexpr):
+    """Owner (int32) of int64 ids: `reference.owner_and_local`'s rule (as v4's)."""
+    if MODULO:
+        owner = ids % WORLD
+    else:
+        owner = gl.where(ids < blk * WORLD, ids // blk, ids % WORLD)
+    return owner.to(gl.int32)
+
+
+@gluon.jit
+def _keep_live(buf, ptr, t, layout: gl.constexpr, CH: gl.constexpr):
+    """A use of a reserved buffer at the kernel's end (a store that never runs: t >= 0),
+    so that Triton's allocator keeps its bytes for the whole kernel and places no other
+    scratch buffer over them while the PTX accesses use them."""
+    keep = buf.slice(0, CH).load(layout)
+    never = (gl.zeros([CH], gl.int32, layout) + t) < 0
+    gl.store(ptr + gl.arange(0, CH, layout=layout), keep.to(ptr.dtype.element_ty), mask=never)
+
+
+@gluon.jit
+def _reserve(WORDS: gl.constexpr):
+    """A shared buffer of WORDS int32 (a power of two: Gluon's shapes must be)."""
+    return gl.allocate_shared_memory(gl.int32, [WORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _count_piece(values_ptr, lo, hi, blk, e, WORLD: gl.constexpr,
+                 MODULO: gl.constexpr, CH: gl.constexpr):  # fmt: skip
+    """Shared counters[dest] += 1 for ids values[lo:hi] (order does not matter)."""
+    p = lo
+    while p < hi:
+        offs = p + e
+        m = offs < hi
+        ids = gl.load(values_ptr + offs, mask=m, other=0).to(gl.int64)
+        d = _owner(ids, blk, WORLD, MODULO)
+        _sh_add32(gl.where(m, d, 0) * 4, m.to(gl.int32))
+        p += CH
+
+
+@gluon.jit
+def _v5_count_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    seg_offsets_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_seg_lo_ptr,
+    tile_seg_hi_ptr,
+    counts_ptr,
+    snaps_ptr,
+    seg_tile_ptr,
+    num_tiles,
+    WORLD: gl.constexpr,
+    MODULO: gl.constexpr,
+    NW: gl.constexpr,
+    WP: gl.constexpr,
+):
+    """Tile t: counts[d * T + t] (ids of dest d in the tile), and before the piece of each
+    segment s it owns, snaps[s, :] = the counters then and seg_tile[s] = t (what v4's
+    `_v4_rank_rows_kernel` writes, without the per-id ranks). Counters: W int32 at the
+    reserved buffer's start."""
+    CH: gl.constexpr = NW * 32
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    buf = _reserve(WP)
+    t = gl.program_id(0)
+    key = gl.load(tile_key_ptr + t)
+    start = gl.load(tile_start_ptr + t)
+    end = gl.load(tile_end_ptr + t)
+    seg_lo = gl.load(tile_seg_lo_ptr + t)
+    seg_hi = gl.load(tile_seg_hi_ptr + t)
+    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    e = gl.arange(0, CH, layout=layout)
+    for b in range(0, WORLD, CH):
+        dd = b + e
+        _sh_st32(dd * 4, gl.zeros([CH], gl.int32, layout), (dd < WORLD).to(gl.int32))
+    gl.thread_barrier()
+    head_end = gl.where(seg_lo < seg_hi, gl.load(seg_offsets_ptr + seg_lo), end)
+    _count_piece(values_ptr, start, head_end, blk, e, WORLD, MODULO, CH)
+    s = seg_lo
+    seg_start = head_end
+    while s < seg_hi:
+        gl.thread_barrier()  # the previous piece's atomics are done
+        for b in range(0, WORLD, CH):
+            dd = b + e
+            dm = dd < WORLD
+            seen = _sh_ld32(gl.where(dm, dd, 0) * 4)
+            gl.store(snaps_ptr + s * WORLD + dd, seen, mask=dm)
+        gl.store(seg_tile_ptr + s, t)
+        gl.thread_barrier()  # every snapshot read precedes the next piece's atomics
+        seg_end = gl.load(seg_offsets_ptr + s + 1)
+        _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, e, WORLD,
+                     MODULO, CH)  # fmt: skip
+        seg_start = seg_end
+        s += 1
+    gl.thread_barrier()
+    for b in range(0, WORLD, CH):
+        dd = b + e
+        dm = dd < WORLD
+        total = _sh_ld32(gl.where(dm, dd, 0) * 4)
+        gl.store(counts_ptr + dd.to(gl.int64) * num_tiles + t, total, mask=dm)
+    _keep_live(buf, counts_ptr, t, layout, CH)
+
+
+@gluon.jit
+def _v5_scatter_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    et_ptr,
+    out_values_ptr,
+    perm_ptr,
+    WORLD: gl.constexpr,
+    MODULO: gl.constexpr,
+    TILE: gl.constexpr,
+    NW: gl.constexpr,
+    B0: gl.constexpr,
+    B1: gl.constexpr,
+    B2: gl.constexpr,
+    B3: gl.constexpr,
+):
+    """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
+    reserved buffer): VAL [TILE] int64 staging, SHIFT [W] int64 (et[t, d] minus the
+    tile-local start of d), WC [NW][W] int32 per-warp counters / running slots,
+    DIN [TILE] int32 (dest of each input id), DSLOT [TILE] int32 (dest of each slot),
+    WTOT [NW] int32 (the warps' totals in the scan of step b). The bytes are reserved
+    as up to four buffers of B0 > B1 > B2 > B3 words (powers of two, 0: none; the binary
+    digits of the size), which Triton's allocator lays out largest first, i.e. as one
+    contiguous range from offset 0 (`check_layout` checks it on each compiled variant)."""
+    CH: gl.constexpr = NW * 32
+    VAL: gl.constexpr = 0
+    SHIFT: gl.constexpr = VAL + TILE * 8
+    WC: gl.constexpr = SHIFT + WORLD * 8
+    DIN: gl.constexpr = WC + NW * WORLD * 4
+    DSLOT: gl.constexpr = DIN + TILE * 4
+    WTOT: gl.constexpr = DSLOT + TILE * 4
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    buf0 = _reserve(B0)
+    if B1 > 0:
+        buf1 = _reserve(B1)
+    if B2 > 0:
+        buf2 = _reserve(B2)
+    if B3 > 0:
+        buf3 = _reserve(B3)
+    t = gl.program_id(0).to(gl.int64)
+    key = gl.load(tile_key_ptr + t)
+    start = gl.load(tile_start_ptr + t)
+    end = gl.load(tile_end_ptr + t)
+    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    n_t = (end - start).to(gl.int32)
+    sub = (n_t + CH - 1) // CH * 32  # ids per warp, a multiple of 32
+    e = gl.arange(0, CH, layout=layout)
+    w = e // 32
+    lane = e % 32
+    one = gl.full([CH], 1, gl.int32, layout)
+    below = (one << lane) - 1
+    above = ~(below | (one << lane))
+    zero = gl.zeros([CH], gl.int32, layout)
+
+    for b in range(0, NW * WORLD, CH):
+        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < NW * WORLD).to(gl.int32))
+    gl.thread_barrier()
+    # (a) per-warp counts; each id's dest kept in DIN
+    for c in range(0, sub, 32):
+        loc = w * sub + c + lane
+        m = loc < n_t
+        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        d = gl.where(m, _owner(ids, blk, WORLD, MODULO), 0)
+        mi = m.to(gl.int32)
+        _sh_add32(WC + (w * WORLD + d) * 4, mi)
+        _sh_st32(DIN + gl.where(m, loc, 0) * 4, d, mi)
+    gl.thread_barrier()
+    # (b) per dest: tile-local start (exclusive scan over dests), warp starts, shift.
+    # The scan is PTX shuffles within a warp plus the warps' totals through WTOT: no
+    # Triton op here may need shared scratch (see `_launch`).
+    carry = zero
+    for b in range(0, WORLD, CH):
+        dd = b + e
+        dm = dd < WORLD
+        ddc = gl.where(dm, dd, 0)
+        tot = zero
+        for ww in gl.static_range(NW):
+            tot += _sh_ld32(WC + (ww * WORLD + ddc) * 4)
+        tot = gl.where(dm, tot, 0)
+        incl = _warp_inclusive_scan(tot)
+        _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
+        gl.thread_barrier()
+        before = zero
+        chunk = zero
+        for ww in gl.static_range(NW):
+            wt = _sh_ld32(WTOT + ww * 4 + zero)
+            before += gl.where(w > ww, wt, 0)
+            chunk += wt
+        local_start = carry + before + incl - tot
+        carry += chunk
+        run = local_start
+        for ww in gl.static_range(NW):
+            a = WC + (ww * WORLD + ddc) * 4
+            cw = _sh_ld32(a)
+            _sh_st32(a, run, dm.to(gl.int32))
+            run += cw
+        base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
+        _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
+        gl.thread_barrier()  # WTOT is rewritten by the next block
+    # (c) stable slots, staging, perm
+    for c in range(0, sub, 32):
+        loc = w * sub + c + lane
+        m = loc < n_t
+        mi = m.to(gl.int32)
+        locc = gl.where(m, loc, 0)
+        d = gl.where(m, _sh_ld32(DIN + locc * 4), -1)
+        peers = _match_any(d)
+        earlier = _popc(peers & below)
+        last = (peers & above) == 0
+        dc = gl.where(m, d, 0)
+        a = WC + (w * WORLD + dc) * 4
+        slot = _sh_ld32(a) + earlier
+        sync = _warp_sync(slot)
+        _sh_st32(a + sync, slot + 1, (m & last).to(gl.int32))
+        sync = _warp_sync(slot)
+        slotc = gl.where(m, slot, 0) + sync
+        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        if MODULO:
+            local = ids // WORLD
+        else:
+            local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, ids // WORLD)
+        _sh_st64(VAL + slotc * 8, local, mi)
+        _sh_st32(DSLOT + slotc * 4, dc, mi)
+        shift = _sh_ld64(SHIFT + dc * 8)
+        gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
+    gl.thread_barrier()
+    # (d) write the staged tile out in slot order
+    for j0 in range(0, n_t, CH):
+        j = j0 + e
+        m = j < n_t
+        jc = gl.where(m, j, 0)
+        v = _sh_ld64(VAL + jc * 8)
+        d = _sh_ld32(DSLOT + jc * 4)
+        shift = _sh_ld64(SHIFT + d * 8)
+        gl.store(out_values_ptr + shift + jc.to(gl.int64),
+                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+    _keep_live(buf0, out_values_ptr, t, layout, CH)
+    if B1 > 0:
+        _keep_live(buf1, out_values_ptr, t, layout, CH)
+    if B2 > 0:
+        _keep_live(buf2, out_values_ptr, t, layout, CH)
+    if B3 > 0:
+        _keep_live(buf3, out_values_ptr, t, layout, CH)
+
+
+# ---------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V5Config:
+    """Tuning knobs of `ranged_dispatch_v5` (every choice gives the same bits).
+
+    tile: ids per program of both kernels (power of two, 256..16384); the scatter stages
+        a whole tile in shared memory (12 bytes per id plus 8 W + 4 W * scatter_warps).
+    count_warps / scatter_warps: warps per program of each kernel.
+    finish_block: v4's finish pass block (see `V4Config.finish_block`).
+    """
+
+    tile: int = 4096
+    count_warps: int = 4
+    scatter_warps: int = 4
+    finish_block: int = 32
+
+
+def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
+    """Shared memory the scatter program reserves (the count program's is W * 4)."""
+    return cfg.tile * 16 + world_size * 8 + cfg.scatter_warps * (world_size + 1) * 4
+
+
+def v5_supported(world_size: int, weights: Optional[torch.Tensor], cfg: V5Config) -> bool:
+    """Inputs v5 handles: no weights, W <= V5_MAX_WORLD, a tile whose staging fits."""
+    return (
+        weights is None
+        and 1 <= world_size <= V5_MAX_WORLD
+        and scatter_smem_bytes(cfg, world_size) <= SMEM_LIMIT
+    )
+
+
+_CHECKED: set = set()
+_SMEM_BASE = re.compile(r"@global_smem, i32 (\d+)\)")
+
+
+def buffer_words(total_bytes: int, unit_words: int) -> tuple[int, int, int, int]:
+    """The reserved buffers (int32 words, descending powers of two, zero-padded to four)
+    covering `total_bytes` rounded up to a multiple of `unit_words` words (each buffer at
+    least one unit: the keep-alive load reads a unit)."""
+    words = -(-total_bytes // (4 * unit_words)) * unit_words
+    parts = [1 << b for b in range(words.bit_length() - 1, -1, -1) if words >> b & 1]
+    if len(parts) > 4:  # round up so that at most four parts remain
+        top = parts[0]
+        words = -(-words // (top >> 3)) * (top >> 3)
+        parts = [1 << b for b in range(words.bit_length() - 1, -1, -1) if words >> b & 1]
+    return tuple(parts + [0] * (4 - len(parts)))  # type: ignore[return-value]
+
+
+def check_layout(compiled, buffers_bytes: list[int]) -> None:
+    """The PTX accesses address the reserved buffers as one range from ``global_smem``.
+    That holds when the kernel's shared memory is exactly the buffers (no Triton op of
+    the kernel asked for scratch) and the allocator put them largest first, back to back
+    (each later buffer's base appears in the LLVM IR); raise otherwise."""
+    shared = compiled.metadata.shared
+    name = compiled.metadata.name
+    if shared != sum(buffers_bytes):
+        raise RuntimeError(
+            f"{name}: shared memory {shared} bytes, reserved buffers {buffers_bytes}: some "
+            "op needs scratch, the buffers may not start at offset 0"
+        )
+    expected = {sum(buffers_bytes[:i]) for i in range(1, len(buffers_bytes))}
+    found = {int(x) for x in _SMEM_BASE.findall(compiled.asm["llir"])} - {0}
+    if found != expected:
+        raise RuntimeError(
+            f"{name}: reserved buffers {buffers_bytes} placed at {sorted(found)}, expected "
+            f"{sorted(expected)} (largest first, back to back)"
+        )
+
+
+def _launch(kernel, grid: tuple, args: tuple, meta: dict, buffers_bytes: list[int]) -> None:
+    """Launch a v5 kernel; the first launch of each compiled variant checks its shared
+    memory layout (`check_layout`)."""
+    compiled = kernel[grid](*args, **meta)
+    key = (id(kernel), tuple(sorted(meta.items())))
+    if key not in _CHECKED:
+        check_layout(compiled, buffers_bytes)
+        _CHECKED.add(key)
+
+
+def ranged_dispatch_v5(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    block_sizes: torch.Tensor,
+    world_size: int,
+    *,
+    mode: str = "block",
+    weights: Optional[torch.Tensor] = None,
+    config: Optional[V5Config] = None,
+) -> DispatchResult:
+    """Gluon `ranged_dispatch`, v5 (see the module docstring; CUDA only); same semantics
+    and results as `reference.ranged_dispatch` for the inputs `v5_supported` accepts."""
+    num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
+    cfg = config or V5Config()
+    t = cfg.tile
+    if t & (t - 1) or not 256 <= t <= 16384:
+        raise ValueError(f"tile must be a power of two in [256, 16384], got {t}")
+    for name, nw in (("count_warps", cfg.count_warps), ("scatter_warps", cfg.scatter_warps)):
+        if nw not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {nw}")
+    if not v5_supported(world_size, weights, cfg):
+        raise ValueError(
+            f"ranged_dispatch_v5 supports no weights, world_size <= {V5_MAX_WORLD} and "
+            f"{scatter_smem_bytes(cfg, world_size)} <= {SMEM_LIMIT} bytes of staging "
+            f"(world_size {world_size}, tile {cfg.tile}, weights {weights is not None})"
+        )
+    n, nseg, dev = values.numel(), num_keys * batch, values.device
+    if dev.type != "cuda":
+        raise ValueError(f"ranged_dispatch_v5 runs on CUDA tensors only, got {dev}")
+    if n == 0:
+        return reference.ranged_dispatch(values, lengths, block_sizes, world_size, mode=mode)
+    values, lengths = values.contiguous(), lengths.contiguous()
+    block_sizes = block_sizes.contiguous()
+    modulo = mode == "modulo"
+    wp = max(2, next_power_of_2(world_size))
+
+    num_tiles = n // t + num_keys
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    tw = num_tiles * world_size
+    seg_offsets, key_tile_first, tile_start, tile_end, tile_seg_lo, tile_seg_hi = _carve(
+        torch.int64, dev, nseg + 1, num_keys + 1, *(num_tiles,) * 4
+    )
+    et_here = (tw,) if index_dtype == torch.int32 else ()
+    tile_key, counts, snaps, seg_tile, *et = _carve(
+        torch.int32, dev, num_tiles, tw, nseg * world_size, nseg, *et_here
+    )
+    counts = counts[:tw]
+
+    # 1-2. v4's segment offsets and tile table
+    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
+    seg_warps = 8 if block >= 2048 else 4
+    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1
+    key_iters = (num_keys + 1).bit_length() + 1
+    table = (tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi)
+    if num_tiles <= FUSED_TABLES_MAX_TILES:
+        _v4_tables_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
+            TILE=t, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
+            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
+        )  # fmt: skip
+    else:
+        _v4_segment_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=t,
+            BLOCK=block, num_warps=seg_warps,
+        )  # fmt: skip
+        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
+            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=t,
+            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
+        )  # fmt: skip
+
+    # 3. per-(dest, tile) counts and per-segment counter snapshots (shared counters)
+    cw = cfg.count_warps
+    _launch(
+        _v5_count_kernel,
+        (num_tiles,),
+        (values, block_sizes, seg_offsets, tile_key, tile_start, tile_end, tile_seg_lo,
+         tile_seg_hi, counts, snaps, seg_tile, num_tiles),
+        {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": max(wp, cw * 32),
+         "num_warps": cw},
+        [max(wp, cw * 32) * 4],
+    )  # fmt: skip
+
+    # 4-5. v4's scan and finish pass: et rows, lengths, splits, key counts
+    scan = torch.cumsum(counts, 0, dtype=index_dtype)
+    et = et[0] if et else torch.empty(tw, dtype=index_dtype, device=dev)
+    new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
+    splits = torch.empty(world_size, dtype=torch.int64, device=dev)
+    key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
+    block_d = 256
+    fb = cfg.finish_block
+    bd = min(wp, fb)
+    d_blocks = cdiv(world_size, bd)
+    et_blocks = cdiv(num_tiles, fb) * d_blocks
+    seg_blocks = cdiv(nseg, fb)
+    len_blocks = seg_blocks * d_blocks
+    _v4_finish_rows_kernel[(et_blocks + len_blocks + cdiv(world_size, block_d),)](
+        scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
+        num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
+        BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+
+    # 6. scatter through shared staging
+    out_values = torch.empty_like(values)
+    perm = torch.empty(n, dtype=torch.int64, device=dev)
+    sw = cfg.scatter_warps
+    bufs = buffer_words(scatter_smem_bytes(cfg, world_size), sw * 32)
+    _launch(
+        _v5_scatter_kernel,
+        (num_tiles,),
+        (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
+        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "B0": bufs[0],
+         "B1": bufs[1], "B2": bufs[2], "B3": bufs[3], "num_warps": sw},
+        [4 * b for b in bufs if b],
+    )  # fmt: skip
+    return DispatchResult(
+        values=out_values,
+        lengths=new_lengths,
+        splits=splits,
+        key_counts=key_counts,
+        unbucketize_permute=perm,
+        weights=None,
+    )
