@@ -44,10 +44,13 @@ from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  #
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
 WORLDS = [8, 32, 128, 512, 1024]
 CONFIGS = {  # name -> V5Config fields
-    "v5_t2048_w4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4},
-    "v5_t4096_w4": {"tile": 4096, "count_warps": 4, "scatter_warps": 4},
-    "v5_t4096_w8": {"tile": 4096, "count_warps": 8, "scatter_warps": 8},
-    "v5_t8192_w8": {"tile": 8192, "count_warps": 8, "scatter_warps": 8},
+    "v5_t1024_w8_u4": {"tile": 1024, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
+    "v5_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4},
+    "v5_t2048_w8_u4": {"tile": 2048, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
+    "v5_t4096_w8_u1": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 1},
+    "v5_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
+    "v5_t4096_w16_u4": {"tile": 4096, "count_warps": 16, "scatter_warps": 16, "unroll": 4},
+    "v5_t8192_w16_u4": {"tile": 8192, "count_warps": 16, "scatter_warps": 16, "unroll": 4},
 }
 
 
@@ -80,9 +83,9 @@ def check(v5, g: torch.Generator) -> int:
                     args = (vals, lengths, blocks.to(dt), w)
                     ref = reference.ranged_dispatch(*args, mode=mode)
                     for cfg in (
-                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1),
-                        v5.V5Config(tile=256, count_warps=4, scatter_warps=2),
-                        v5.V5Config(tile=1024, count_warps=8, scatter_warps=8),
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1),
+                        v5.V5Config(tile=256, count_warps=4, scatter_warps=2, unroll=2),
+                        v5.V5Config(tile=1024, count_warps=8, scatter_warps=8, unroll=8),
                         v5.V5Config(),
                     ):
                         if not v5.v5_supported(w, None, cfg):

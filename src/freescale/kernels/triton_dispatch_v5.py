@@ -218,6 +218,7 @@ def _reserve(WORDS: gl.constexpr):
 @gluon.jit
 def _count_piece(values_ptr, lo, hi, blk, e, WORLD: gl.constexpr,
                  MODULO: gl.constexpr, CH: gl.constexpr):  # fmt: skip
+    # CH: the length of e (ids per iteration)
     """Shared counters[dest] += 1 for ids values[lo:hi] (order does not matter)."""
     p = lo
     while p < hi:
@@ -247,6 +248,7 @@ def _v5_count_kernel(
     MODULO: gl.constexpr,
     NW: gl.constexpr,
     WP: gl.constexpr,
+    U: gl.constexpr,
 ):
     """Tile t: counts[d * T + t] (ids of dest d in the tile), and before the piece of each
     segment s it owns, snaps[s, :] = the counters then and seg_tile[s] = t (what v4's
@@ -268,7 +270,8 @@ def _v5_count_kernel(
         _sh_st32(dd * 4, gl.zeros([CH], gl.int32, layout), (dd < WORLD).to(gl.int32))
     gl.thread_barrier()
     head_end = gl.where(seg_lo < seg_hi, gl.load(seg_offsets_ptr + seg_lo), end)
-    _count_piece(values_ptr, start, head_end, blk, e, WORLD, MODULO, CH)
+    eu = gl.arange(0, CH * U, layout=layout)  # U ids per thread and iteration
+    _count_piece(values_ptr, start, head_end, blk, eu, WORLD, MODULO, CH * U)
     s = seg_lo
     seg_start = head_end
     while s < seg_hi:
@@ -281,8 +284,8 @@ def _v5_count_kernel(
         gl.store(seg_tile_ptr + s, t)
         gl.thread_barrier()  # every snapshot read precedes the next piece's atomics
         seg_end = gl.load(seg_offsets_ptr + s + 1)
-        _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, e, WORLD,
-                     MODULO, CH)  # fmt: skip
+        _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, eu, WORLD,
+                     MODULO, CH * U)  # fmt: skip
         seg_start = seg_end
         s += 1
     gl.thread_barrier()
@@ -308,6 +311,7 @@ def _v5_scatter_kernel(
     MODULO: gl.constexpr,
     TILE: gl.constexpr,
     NW: gl.constexpr,
+    U: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -342,7 +346,7 @@ def _v5_scatter_kernel(
     end = gl.load(tile_end_ptr + t)
     blk = gl.load(block_sizes_ptr + key).to(gl.int64)
     n_t = (end - start).to(gl.int32)
-    sub = (n_t + CH - 1) // CH * 32  # ids per warp, a multiple of 32
+    sub = (n_t + CH * U - 1) // (CH * U) * (32 * U)  # ids per warp, a multiple of 32 U
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
     lane = e % 32
@@ -354,14 +358,19 @@ def _v5_scatter_kernel(
     for b in range(0, NW * WORLD, CH):
         _sh_st32(WC + (b + e) * 4, zero, ((b + e) < NW * WORLD).to(gl.int32))
     gl.thread_barrier()
-    # (a) per-warp counts; each id's dest kept in DIN
-    for c in range(0, sub, 32):
-        loc = w * sub + c + lane
+    # (a) per-warp counts; each id's dest kept in DIN. U chunks of 32 per warp and
+    # iteration (element e2 of the [CH * U] range: warp (e2 % CH) // 32, lane e2 % 32,
+    # chunk e2 // CH), so each thread has U loads in flight.
+    e2 = gl.arange(0, CH * U, layout=layout)
+    loc2 = ((e2 % CH) // 32) * sub + (e2 // CH) * 32 + e2 % 32
+    wrow2 = ((e2 % CH) // 32) * WORLD
+    for c in range(0, sub, 32 * U):
+        loc = loc2 + c
         m = loc < n_t
         ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         d = gl.where(m, _owner(ids, blk, WORLD, MODULO), 0)
         mi = m.to(gl.int32)
-        _sh_add32(WC + (w * WORLD + d) * 4, mi)
+        _sh_add32(WC + (wrow2 + d) * 4, mi)
         _sh_st32(DIN + gl.where(m, loc, 0) * 4, d, mi)
     gl.thread_barrier()
     # (b) per dest: tile-local start (exclusive scan over dests), warp starts, shift.
@@ -396,10 +405,21 @@ def _v5_scatter_kernel(
         base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
         _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
         gl.thread_barrier()  # WTOT is rewritten by the next block
-    # (c) stable slots, staging, perm
+    # (c) stable slots, staging, perm; the ids are loaded two chunks ahead
+    wloc = w * sub + lane
+    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < n_t, other=0).to(gl.int64)
+    ids_2 = gl.load(
+        values_ptr + start + wloc + 32, mask=wloc + 32 < gl.minimum(n_t, w * sub + sub), other=0
+    ).to(gl.int64)
     for c in range(0, sub, 32):
-        loc = w * sub + c + lane
+        loc = wloc + c
         m = loc < n_t
+        ids = ids_1
+        ids_1 = ids_2
+        ahead = loc + 64
+        ids_2 = gl.load(
+            values_ptr + start + ahead, mask=ahead < gl.minimum(n_t, w * sub + sub), other=0
+        ).to(gl.int64)
         mi = m.to(gl.int32)
         locc = gl.where(m, loc, 0)
         d = gl.where(m, _sh_ld32(DIN + locc * 4), -1)
@@ -413,7 +433,6 @@ def _v5_scatter_kernel(
         _sh_st32(a + sync, slot + 1, (m & last).to(gl.int32))
         sync = _warp_sync(slot)
         slotc = gl.where(m, slot, 0) + sync
-        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         if MODULO:
             local = ids // WORLD
         else:
@@ -423,9 +442,9 @@ def _v5_scatter_kernel(
         shift = _sh_ld64(SHIFT + dc * 8)
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
-    # (d) write the staged tile out in slot order
-    for j0 in range(0, n_t, CH):
-        j = j0 + e
+    # (d) write the staged tile out in slot order, CH consecutive slots per store
+    for j0 in range(0, n_t, CH * U):
+        j = j0 + e2
         m = j < n_t
         jc = gl.where(m, j, 0)
         v = _sh_ld64(VAL + jc * 8)
@@ -455,12 +474,15 @@ class V5Config:
         a whole tile in shared memory (12 bytes per id plus 8 W + 4 W * scatter_warps).
     count_warps / scatter_warps: warps per program of each kernel.
     finish_block: v4's finish pass block (see `V4Config.finish_block`).
+    unroll: ids per thread and iteration of the loops that need no order (counting,
+        write-out): loads in flight per thread (1, 2, 4 or 8).
     """
 
     tile: int = 4096
-    count_warps: int = 4
-    scatter_warps: int = 4
+    count_warps: int = 8
+    scatter_warps: int = 8
     finish_block: int = 32
+    unroll: int = 4
 
 
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
@@ -545,6 +567,8 @@ def ranged_dispatch_v5(
     for name, nw in (("count_warps", cfg.count_warps), ("scatter_warps", cfg.scatter_warps)):
         if nw not in (1, 2, 4, 8, 16):
             raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {nw}")
+    if cfg.unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll must be 1, 2, 4 or 8, got {cfg.unroll}")
     if not v5_supported(world_size, weights, cfg):
         raise ValueError(
             f"ranged_dispatch_v5 supports no weights, world_size <= {V5_MAX_WORLD} and "
@@ -603,7 +627,7 @@ def ranged_dispatch_v5(
         (values, block_sizes, seg_offsets, tile_key, tile_start, tile_end, tile_seg_lo,
          tile_seg_hi, counts, snaps, seg_tile, num_tiles),
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": max(wp, cw * 32),
-         "num_warps": cw},
+         "U": cfg.unroll, "num_warps": cw},
         [max(wp, cw * 32) * 4],
     )  # fmt: skip
 
@@ -635,7 +659,7 @@ def ranged_dispatch_v5(
         _v5_scatter_kernel,
         (num_tiles,),
         (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
-        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "B0": bufs[0],
+        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "U": cfg.unroll, "B0": bufs[0],
          "B1": bufs[1], "B2": bufs[2], "B3": bufs[3], "num_warps": sw},
         [4 * b for b in bufs if b],
     )  # fmt: skip
