@@ -547,6 +547,57 @@ def _launch(kernel, grid: tuple, args: tuple, meta: dict, buffers_bytes: list[in
         _CHECKED.add(key)
 
 
+def compile_v5(
+    world_size: int,
+    cfg: V5Config,
+    *,
+    modulo: bool = False,
+    values_dtype: torch.dtype = torch.int64,
+    arch: int = 90,
+) -> dict:
+    """Compile both v5 kernels ahead of time for an NVIDIA target (no GPU needed: Triton
+    runs ptxas) and check their shared-memory layouts (`check_layout`); returns
+    {"count": compiled, "scatter": compiled}. Used by the CPU tests, which cannot run
+    Gluon kernels."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    vt = {torch.int32: "*i32", torch.int64: "*i64"}[values_dtype]
+    wp = max(2, next_power_of_2(world_size))
+    target = GPUTarget("cuda", arch, 32)
+
+    def build(fn, sig: dict, const: dict, warps: int):
+        src = gluon._runtime.GluonASTSource(
+            fn, signature={**sig, **dict.fromkeys(const, "constexpr")}, constexprs=const
+        )
+        return triton.compile(src, target=target, options={"num_warps": warps})
+
+    i64 = "*i64"
+    table = {"tile_key_ptr": "*i32", "tile_start_ptr": i64, "tile_end_ptr": i64}
+    cw, sw = cfg.count_warps, cfg.scatter_warps
+    count_words = max(wp, cw * 32)
+    count = build(
+        _v5_count_kernel,
+        {"values_ptr": vt, "block_sizes_ptr": vt, "seg_offsets_ptr": i64, **table,
+         "tile_seg_lo_ptr": i64, "tile_seg_hi_ptr": i64, "counts_ptr": "*i32",
+         "snaps_ptr": "*i32", "seg_tile_ptr": "*i32", "num_tiles": "i32"},
+        {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": count_words, "U": cfg.unroll},
+        cw,
+    )  # fmt: skip
+    check_layout(count, [count_words * 4])
+    bufs = buffer_words(scatter_smem_bytes(cfg, world_size), sw * 32)
+    scatter = build(
+        _v5_scatter_kernel,
+        {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
+         "out_values_ptr": vt, "perm_ptr": i64},
+        {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": sw, "U": cfg.unroll,
+         "B0": bufs[0], "B1": bufs[1], "B2": bufs[2], "B3": bufs[3]},
+        sw,
+    )  # fmt: skip
+    check_layout(scatter, [4 * b for b in bufs if b])
+    return {"count": count, "scatter": scatter}
+
+
 def ranged_dispatch_v5(
     values: torch.Tensor,
     lengths: torch.Tensor,

@@ -1,0 +1,147 @@
+"""Dispatch v5 (`kernels/triton_dispatch_v5.py`, Gluon + PTX shared memory).
+
+Gluon kernels do not run in Triton's interpreter, so on CPU these tests compile both
+kernels for sm_90 (Triton runs ptxas locally) over the configurations the GPU check
+uses, and check the assumption the PTX accesses rest on: the kernel's shared memory is
+exactly the reserved buffers, laid out largest first from offset 0 (`check_layout`;
+shown able to fail). The bits are compared with the reference on a GPU
+(`benchmarks/dispatch_v5.py`, which exits 1 on any mismatch; and the GPU-only test
+below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freescale.kernels import reference
+from freescale.kernels.common import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def _v5():
+    from freescale.kernels import triton_dispatch_v5
+
+    return triton_dispatch_v5
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return bool(get_ptxas(90).path)
+    except Exception:  # noqa: BLE001 - any failure means: cannot compile for CUDA here
+        return False
+
+
+needs_ptxas = pytest.mark.skipif(
+    not _ptxas_available(), reason="Triton's bundled ptxas is missing: cannot compile for sm_90"
+)
+
+
+def test_buffer_words_cover_the_size_in_descending_powers_of_two() -> None:
+    v5 = _v5()
+    for total in (1, 500, 4096, 90128, 107000, 181000, 227 * 1024):
+        for unit in (32, 128, 512):
+            parts = [p for p in v5.buffer_words(total, unit) if p]
+            assert 1 <= len(parts) <= 4
+            assert sum(parts) * 4 >= total
+            assert all(p & (p - 1) == 0 and p >= unit for p in parts)
+            assert parts == sorted(set(parts), reverse=True)  # distinct, largest first
+            assert sum(parts) * 4 < total + 4 * max(unit, parts[0] // 8) + 4 * unit
+
+
+def test_config_errors_are_clear() -> None:
+    v5 = _v5()
+    vals = torch.zeros(4, dtype=torch.int64)
+    lengths = torch.tensor([2, 2])
+    blocks = torch.tensor([10])
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(tile=3000))
+    with pytest.raises(ValueError, match="scatter_warps"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(scatter_warps=3))
+    with pytest.raises(ValueError, match="unroll"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(unroll=3))
+    with pytest.raises(ValueError, match="no weights"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, weights=torch.ones(4))
+    with pytest.raises(ValueError, match="world_size <= 4096"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 5000)
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2)
+
+
+@needs_ptxas
+@pytest.mark.parametrize(
+    "world,tile,warps,unroll,modulo,dtype",
+    [
+        (1, 256, 1, 1, False, torch.int32),
+        (7, 256, 2, 2, True, torch.int64),
+        (1000, 1024, 8, 8, False, torch.int32),
+        (1024, 4096, 8, 4, False, torch.int64),
+        (4096, 2048, 4, 4, True, torch.int64),
+    ],
+)
+def test_kernels_compile_with_the_reserved_layout(world, tile, warps, unroll, modulo, dtype):
+    v5 = _v5()
+    cfg = v5.V5Config(tile=tile, count_warps=warps, scatter_warps=warps, unroll=unroll)
+    assert v5.v5_supported(world, None, cfg)
+    kernels = v5.compile_v5(world, cfg, modulo=modulo, values_dtype=dtype)
+    scatter = kernels["scatter"]
+    assert scatter.metadata.shared >= v5.scatter_smem_bytes(cfg, world)
+    assert scatter.metadata.shared <= v5.SMEM_LIMIT
+    ptx = scatter.asm["ptx"]
+    for instr in ("match.any.sync", "atom.shared.add.u32", "st.shared.u64", "bar.warp.sync"):
+        assert instr in ptx, instr
+
+
+@needs_ptxas
+def test_layout_check_catches_a_wrong_assumption() -> None:
+    """Mutations of what `check_layout` is told (a missing buffer, the wrong order) and a
+    kernel whose op needs scratch shared memory are all refused."""
+    v5 = _v5()
+    cfg = v5.V5Config(tile=1024, count_warps=4, scatter_warps=4, unroll=4)
+    kernels = v5.compile_v5(1024, cfg)
+    scatter = kernels["scatter"]
+    bufs = [4 * b for b in v5.buffer_words(v5.scatter_smem_bytes(cfg, 1024), 128) if b]
+    v5.check_layout(scatter, bufs)
+    assert len(bufs) > 1
+    with pytest.raises(RuntimeError, match="some op needs scratch"):
+        v5.check_layout(scatter, bufs[:-1])
+    with pytest.raises(RuntimeError, match="largest first"):
+        v5.check_layout(scatter, list(reversed(bufs)))
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def with_scratch(x_ptr):  # a cross-warp sum needs Triton's own scratch buffer
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        buf = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        x = gl.load(x_ptr + gl.arange(0, 128, layout=layout))
+        buf.store(x)
+        gl.store(x_ptr, gl.sum(buf.load(layout), 0))
+        buf.store(x + 1)  # the buffer is live across the sum's scratch
+        gl.store(x_ptr + 1, gl.max(buf.load(layout), 0))
+
+    src = gluon._runtime.GluonASTSource(with_scratch, signature={"x_ptr": "*i32"})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with pytest.raises(RuntimeError, match="some op needs scratch"):
+        v5.check_layout(compiled, [512])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
+@pytest.mark.parametrize("world", [1, 8, 1024])
+def test_v5_equals_reference_on_gpu(world: int) -> None:
+    v5 = _v5()
+    g = torch.Generator(device="cuda").manual_seed(world)
+    lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
+    n = int(lengths.sum())
+    vals = torch.randint(0, 10_000, (n,), device="cuda", generator=g)
+    blocks = torch.full((3,), -(-10_000 // world), device="cuda")
+    ref = reference.ranged_dispatch(vals, lengths, blocks, world)
+    got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=v5.V5Config(tile=512))
+    for field in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
+        assert torch.equal(getattr(ref, field), getattr(got, field)), field
