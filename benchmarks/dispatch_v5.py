@@ -43,14 +43,14 @@ from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  #
 
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
 WORLDS = [8, 32, 128, 512, 1024]
-CONFIGS = {  # name -> V5Config fields
-    "v5_t1024_w8_u4": {"tile": 1024, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
+CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unroll)
     "v5_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4},
-    "v5_t2048_w8_u4": {"tile": 2048, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
-    "v5_t4096_w8_u1": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 1},
     "v5_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
-    "v5_t4096_w16_u4": {"tile": 4096, "count_warps": 16, "scatter_warps": 16, "unroll": 4},
+    "v5_t4096_c4_s8_u4": {"tile": 4096, "count_warps": 4, "scatter_warps": 8, "unroll": 4},
     "v5_t8192_w16_u4": {"tile": 8192, "count_warps": 16, "scatter_warps": 16, "unroll": 4},
+    "v5_t8192_c8_s16_u4": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 4},
+    "v5_t8192_c4_s16_u4": {"tile": 8192, "count_warps": 4, "scatter_warps": 16, "unroll": 4},
+    "v5_t8192_c8_s16_u8": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 8},
 }
 
 

@@ -355,13 +355,18 @@ def _v5_scatter_kernel(
     above = ~(below | (one << lane))
     zero = gl.zeros([CH], gl.int32, layout)
 
+    e2 = gl.arange(0, CH * U, layout=layout)
+    # the tile's et row (output start of each dest), loaded now so that its latency
+    # overlaps step (a) when one [CH * U] range holds it; step (b) loads it otherwise
+    ET_EARLY: gl.constexpr = WORLD <= CH * U
+    if ET_EARLY:
+        et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
     for b in range(0, NW * WORLD, CH):
         _sh_st32(WC + (b + e) * 4, zero, ((b + e) < NW * WORLD).to(gl.int32))
     gl.thread_barrier()
     # (a) per-warp counts; each id's dest kept in DIN. U chunks of 32 per warp and
     # iteration (element e2 of the [CH * U] range: warp (e2 % CH) // 32, lane e2 % 32,
     # chunk e2 // CH), so each thread has U loads in flight.
-    e2 = gl.arange(0, CH * U, layout=layout)
     loc2 = ((e2 % CH) // 32) * sub + (e2 // CH) * 32 + e2 % 32
     wrow2 = ((e2 % CH) // 32) * WORLD
     for c in range(0, sub, 32 * U):
@@ -372,6 +377,8 @@ def _v5_scatter_kernel(
         mi = m.to(gl.int32)
         _sh_add32(WC + (wrow2 + d) * 4, mi)
         _sh_st32(DIN + gl.where(m, loc, 0) * 4, d, mi)
+    if ET_EARLY:
+        _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start (exclusive scan over dests), warp starts, shift.
     # The scan is PTX shuffles within a warp plus the warps' totals through WTOT: no
@@ -402,7 +409,10 @@ def _v5_scatter_kernel(
             cw = _sh_ld32(a)
             _sh_st32(a, run, dm.to(gl.int32))
             run += cw
-        base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
+        if ET_EARLY:
+            base = _sh_ld64(SHIFT + ddc * 8)
+        else:
+            base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
         _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
         gl.thread_barrier()  # WTOT is rewritten by the next block
     # (c) stable slots, staging, perm; the ids are loaded two chunks ahead
