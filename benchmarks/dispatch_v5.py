@@ -123,12 +123,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--git-sha", default=None)
     p.add_argument("--worlds", type=int, nargs="*", default=WORLDS)
     p.add_argument("--check-only", action="store_true")
+    p.add_argument(
+        "--ncu-config",
+        choices=sorted(CONFIGS),
+        default=None,
+        help="no check, no timing: two calls of this config per W (after v4's, compared "
+        "with it), for Nsight Compute: ncu -k regex:_v5_ ... dispatch_v5.py --ncu-config C",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("dispatch_v5.py needs a CUDA GPU (v5 is Gluon: no interpreter)")
     from freescale.kernels import triton_dispatch_v5 as v5
 
     dev = torch.device("cuda")
+    if args.ncu_config:
+        wl = make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)
+        cfg = v5.V5Config(**CONFIGS[args.ncu_config])
+        for w in args.worlds:
+            a = (wl["values"], wl["lengths"], block_sizes_for(w, dev), w)
+            want = ranged_dispatch_v4(*a)
+            for call in range(2):
+                wrong = _diff(want, v5.ranged_dispatch_v5(*a, config=cfg))
+                torch.cuda.synchronize()
+                print(f"W={w} {args.ncu_config} call {call}: {wrong or 'equal to v4'}", flush=True)
+                if wrong:
+                    return 1
+        return 0
     g = torch.Generator(device="cuda").manual_seed(5)
     bad = check(v5, g)
     report: dict[str, Any] = figure_header("dispatch_v5", args.git_sha)
