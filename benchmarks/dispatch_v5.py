@@ -9,8 +9,9 @@ accesses). This script:
    (W = 1 .. 4096, int32 and int64, block and modulo, empty segments, ids at range
    borders, segments crossing tiles, several tiles and warp counts); any mismatch ends
    the run with exit 1 before timing;
-2. times v4 (defaults) and v5 (a few tile x warps configs) on `kernels.py`'s large
-   workload (2^26 ids, 4 keys, 8192 samples) at W = 8 .. 1024 (CUDA events,
+2. times v4 (defaults) and v5 (its defaults, `default_config_v5`, and a few tile x warps
+   configs) on `kernels.py`'s large workload (2^26 ids, 4 keys, 8192 samples) and v4 /
+   v5 defaults on its per-rank one (128 samples, ~1M ids) at W = 8 .. 1024 (CUDA events,
    `triton.testing.do_bench` median), each call first checked equal to v4's output;
 3. splits one call of each into kernels (torch.profiler), at W = 8 and 1024.
 
@@ -46,10 +47,6 @@ WORLDS = [8, 32, 128, 512, 1024]
 CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unroll)
     "v5_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4},
     "v5_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
-    "v5_t4096_c4_s8_u4": {"tile": 4096, "count_warps": 4, "scatter_warps": 8, "unroll": 4},
-    "v5_t8192_w16_u4": {"tile": 8192, "count_warps": 16, "scatter_warps": 16, "unroll": 4},
-    "v5_t8192_c8_s16_u4": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 4},
-    "v5_t8192_c4_s16_u4": {"tile": 8192, "count_warps": 4, "scatter_warps": 16, "unroll": 4},
     "v5_t8192_c8_s16_u8": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 8},
 }
 
@@ -96,6 +93,24 @@ def check(v5, g: torch.Generator) -> int:
                         if wrong:
                             bad += 1
                             print(f"MISMATCH v5 w={w} {dt} k={k} b={b} {mode} {cfg}: {wrong}")
+    # the opt-in route: FREESCALE_TRITON_DISPATCH=v5 through kernels.ranged_dispatch
+    import os
+
+    from freescale.kernels import ranged_dispatch
+
+    os.environ["FREESCALE_TRITON_DISPATCH"] = "v5"
+    try:
+        for w in (8, 1024, 5000):
+            lengths = torch.randint(0, 200, (4 * 32,), device="cuda", generator=g)
+            vals = torch.randint(0, 1 << 20, (int(lengths.sum()),), device="cuda", generator=g)
+            blocks = torch.full((4,), -(-(1 << 20) // w), device="cuda")
+            ref = reference.ranged_dispatch(vals, lengths, blocks, w)
+            cases += 1
+            if _diff(ref, ranged_dispatch(vals, lengths, blocks, w, backend="triton")):
+                bad += 1
+                print(f"MISMATCH FREESCALE_TRITON_DISPATCH=v5 w={w}")
+    finally:
+        del os.environ["FREESCALE_TRITON_DISPATCH"]
     print(f"v5 check: {cases} cases, {bad} mismatches", flush=True)
     return bad
 
@@ -158,39 +173,50 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_figure(args.out, report)
         return 1 if bad else 0
 
-    wl = make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)
-    values, lengths, n = wl["values"], wl["lengths"], wl["n"]
     bw = copy_bandwidth(dev, 1 << 30)
     rows: list[dict[str, Any]] = []
-    idx_bytes, len_bytes = values.element_size(), lengths.element_size()
-    for w in args.worlds:
-        a = (values, lengths, block_sizes_for(w, dev), w)
-        want = ranged_dispatch_v4(*a)
-        fns = {"v4": lambda a=a: ranged_dispatch_v4(*a)}
-        for name, fields in CONFIGS.items():
-            cfg = v5.V5Config(**fields)
-            if v5.v5_supported(w, None, cfg):
-                fns[name] = lambda a=a, cfg=cfg: v5.ranged_dispatch_v5(*a, config=cfg)
-        floor_ms = (2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + w)) / bw * 1e3
-        for name, fn in fns.items():
-            wrong = _diff(want, fn())
-            if wrong:
-                print(f"MISMATCH {name} vs v4 at W={w}: {wrong}", flush=True)
-                report["check"]["large_mismatch"] = f"{name} W={w} {wrong}"
-                write_figure(args.out, report)
-                return 1
-            ms, _ = time_fast(fn, dev, reps=0)
-            row = {"world": w, "impl": name, "ms": ms, "floor_ms": floor_ms,
-                   "fraction_of_hbm_floor": floor_ms / ms}  # fmt: skip
-            if w in (8, 1024):
-                row["kernels_ms"] = profile_one(fn)
-            rows.append(row)
-            print(f"W={w:5d} {name:14s} {ms:7.3f} ms  floor {floor_ms:.3f}  "
-                  f"fraction {floor_ms / ms:.3f}", flush=True)  # fmt: skip
+    workloads = {}
+    for name, batch, total in (("large", 8192, 1 << 26), ("per_rank", 128, None)):
+        workloads[name] = wl = make_workload(name, batch, total, dev, seed=0, smoke=False)
+        values, lengths, n = wl["values"], wl["lengths"], wl["n"]
+        idx_bytes, len_bytes = values.element_size(), lengths.element_size()
+        for w in args.worlds:
+            a = (values, lengths, block_sizes_for(w, dev), w)
+            want = ranged_dispatch_v4(*a)
+            fns = {
+                "v4": lambda a=a: ranged_dispatch_v4(*a),
+                # what FREESCALE_TRITON_DISPATCH=v5 runs: default_config_v5
+                "v5_default": lambda a=a: v5.ranged_dispatch_v5(*a),
+            }
+            for cname, fields in CONFIGS.items() if name == "large" else ():
+                cfg = v5.V5Config(**fields)
+                if v5.v5_supported(w, None, cfg):
+                    fns[cname] = lambda a=a, cfg=cfg: v5.ranged_dispatch_v5(*a, config=cfg)
+            floor_bytes = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + w)
+            floor_ms = floor_bytes / bw * 1e3
+            for impl, fn in fns.items():
+                wrong = _diff(want, fn())
+                if wrong:
+                    print(f"MISMATCH {impl} vs v4 at {name} W={w}: {wrong}", flush=True)
+                    report["check"]["large_mismatch"] = f"{impl} {name} W={w} {wrong}"
+                    write_figure(args.out, report)
+                    return 1
+                ms, _ = time_fast(fn, dev, reps=0)
+                row = {"workload": name, "n": n, "world": w, "impl": impl, "ms": ms,
+                       "floor_ms": floor_ms, "fraction_of_hbm_floor": floor_ms / ms}  # fmt: skip
+                if w in (8, 1024):
+                    row["kernels_ms"] = profile_one(fn)
+                    row["device_ms"] = sum(row["kernels_ms"].values())
+                rows.append(row)
+                print(f"{name:8s} W={w:5d} {impl:20s} {ms:7.3f} ms  floor {floor_ms:.3f}  "
+                      f"fraction {floor_ms / ms:.3f}", flush=True)  # fmt: skip
     report["rows"] = rows
     report["copy_bandwidth_gbs"] = bw / 1e9
-    report["workload"] = {"n": n, "keys": 4, "batch": 8192, "values": str(values.dtype)}
-    at = [r for r in rows if r["world"] == 1024]
+    report["workloads"] = {
+        k: {"n": wl["n"], "keys": 4, "batch": wl["batch"], "values": str(wl["values"].dtype)}
+        for k, wl in workloads.items()
+    }
+    at = [r for r in rows if r["world"] == 1024 and r["workload"] == "large"]
     v5_rows = [r for r in at if r["impl"] != "v4"]
     if at:
         best = max(v5_rows, key=lambda r: r["fraction_of_hbm_floor"]) if v5_rows else None
@@ -200,6 +226,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             ),
             "v5_fraction_of_hbm_floor_w1024": best and best["fraction_of_hbm_floor"],
             "v5_best_config_w1024": best and best["impl"],
+            "v5_default_fraction_of_hbm_floor_w1024": next(
+                (r["fraction_of_hbm_floor"] for r in at if r["impl"] == "v5_default"), None
+            ),
         }
     path = write_figure(args.out, report)
     print("wrote", path)

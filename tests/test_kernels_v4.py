@@ -388,9 +388,38 @@ def test_env_var_routes_the_dispatcher_to_v4(gen, monkeypatch, world_size, mode)
     assert calls, "the dispatcher did not route to v4"
     ref = reference.ranged_dispatch(*args, mode=mode, weights=case.weights)
     assert_dispatch_equal(ref, got, f"env v4 W={world_size}")
-    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v5")
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v6")
     with pytest.raises(ValueError, match="FREESCALE_TRITON_DISPATCH"):
         ranged_dispatch(*args, mode=mode, backend="triton")
+
+
+def test_v5_request_runs_v4_where_v5_cannot(gen, monkeypatch):
+    """``FREESCALE_TRITON_DISPATCH=v5`` (the opt-in Gluon dispatch, GPU only): in the
+    interpreter, with weights, or past W = 4096 the call runs v4 (same bits as the
+    reference); on a compiled CUDA call v5 is chosen (decided from the device, no GPU
+    needed for the choice)."""
+    import types
+
+    from freescale.kernels import ops, ranged_dispatch
+
+    case = random_dispatch_case(gen, 8, with_weights=True)
+    args = (case.values, case.lengths, case.block_sizes, 8)
+    calls = []
+    v4 = _v4()
+    real = v4.ranged_dispatch_v4
+    monkeypatch.setattr(v4, "ranged_dispatch_v4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "v5")
+    got = ranged_dispatch(*args, weights=case.weights, backend="triton")
+    assert calls, "v5 requested in the interpreter: v4 should have run"
+    assert_dispatch_equal(reference.ranged_dispatch(*args, weights=case.weights), got, "v5->v4")
+    cuda_call = types.SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert ops._v5_runs(cuda_call, 1024, None)
+    assert not ops._v5_runs(cuda_call, 1024, torch.ones(1))  # weights
+    assert not ops._v5_runs(cuda_call, 5000, None)  # W > 4096
+    assert not ops._v5_runs(case.values, 8, None)  # CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not ops._v5_runs(cuda_call, 8, None)
 
 
 def test_auto_dispatches_large_calls_with_v4(gen, monkeypatch):
@@ -459,7 +488,7 @@ def test_dispatch_version_rule(monkeypatch):
         assert ops.triton_dispatch_version(big, 8) == "v4"
         assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD) == "v4"
         assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD + 1) == "v3"
-    for forced in ("v1", "v2", "v3", "v4"):
+    for forced in ("v1", "v2", "v3", "v4", "v5"):
         monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", forced)
         assert ops.triton_dispatch_version(5, 2) == forced
     monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "V4")

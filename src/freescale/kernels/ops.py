@@ -19,7 +19,7 @@ from freescale.kernels import reference, vectorized
 from freescale.kernels.common import Backend, DispatchMode, DispatchResult, resolve_backend
 
 DISPATCH_ENV_VAR = "FREESCALE_TRITON_DISPATCH"
-DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4")
+DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4", "v5")
 # "auto" (the default) dispatches with v4 from this many ids per call, v3 below: from the
 # first id. Session 18 switched at 2^21 ids (v4 1.30x / 1.83x faster than v3 at 2^21,
 # W = 8 / 1024, kernels.json at 87e7306), keeping v3 for one rank's ~1M ids, where
@@ -32,15 +32,28 @@ V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: trit
 
 def triton_dispatch_version(num_ids: int, world_size: int = 1) -> str:
     """The Triton dispatch kernel `ranged_dispatch` runs for a call with ``num_ids`` ids
-    to ``world_size`` owners: ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4) if set to
-    one, else ("auto", also when unset or empty) v4 from `V4_MIN_IDS` ids and v3 below or
-    where v4 cannot run (world sizes above its `MAX_WORLD`, 32767)."""
+    to ``world_size`` owners: ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4, v5) if set
+    to one, else ("auto", also when unset or empty) v4 from `V4_MIN_IDS` ids and v3 below
+    or where v4 cannot run (world sizes above its `MAX_WORLD`, 32767). v5 (opt-in, the
+    Gluon shared-memory dispatch) runs where `triton_dispatch_v5.v5_supported` holds on
+    a compiled CUDA call; `ranged_dispatch` runs v4 for the other calls."""
     version = os.environ.get(DISPATCH_ENV_VAR, "auto") or "auto"
     if version not in DISPATCH_VERSIONS:
         raise ValueError(f"${DISPATCH_ENV_VAR}={version!r} is not one of {DISPATCH_VERSIONS}")
     if version == "auto":
         return "v4" if num_ids >= V4_MIN_IDS and world_size <= V4_MAX_WORLD else "v3"
     return version
+
+
+def _v5_runs(values: torch.Tensor, world_size: int, weights: Optional[torch.Tensor]) -> bool:
+    """Whether dispatch v5 can run this call: compiled (not interpreted) on CUDA, inputs
+    it supports (`triton_dispatch_v5.v5_supported` with its default config)."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if values.device.type != "cuda" or interpreted or torch.version.hip is not None:
+        return False
+    from freescale.kernels.triton_dispatch_v5 import default_config_v5, v5_supported
+
+    return v5_supported(world_size, weights, default_config_v5(world_size))
 
 
 def _backend_module(backend: Backend, device: torch.device) -> ModuleType:
@@ -74,6 +87,12 @@ def ranged_dispatch(
     """
     impl = _backend_module(backend, values.device)
     version = triton_dispatch_version(values.numel(), world_size)
+    if impl.__name__.endswith("triton_impl") and version == "v5":
+        if _v5_runs(values, world_size, weights):
+            from freescale.kernels.triton_dispatch_v5 import ranged_dispatch_v5
+
+            return ranged_dispatch_v5(values, lengths, block_sizes, world_size, mode=mode)
+        version = "v4"  # weights, W > 4096, CPU or the interpreter: v4, the same bits
     if impl.__name__.endswith("triton_impl") and version == "v4":
         # triton_dispatch_v4: no tile sort; bitwise equal to v3 and the reference on the
         # H200 at W = 1..1024 (benchmarks/check_kernels_cuda.py, benchmarks/kernels.py)

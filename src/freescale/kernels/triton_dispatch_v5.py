@@ -243,14 +243,14 @@ def _v5_count_kernel(
     counts_ptr,
     snaps_ptr,
     seg_tile_ptr,
-    num_tiles,
     WORLD: gl.constexpr,
     MODULO: gl.constexpr,
     NW: gl.constexpr,
     WP: gl.constexpr,
     U: gl.constexpr,
 ):
-    """Tile t: counts[d * T + t] (ids of dest d in the tile), and before the piece of each
+    """Tile t: counts[t, d] (ids of dest d in the tile; a contiguous row, transposed to
+    v4's [dest][tile] order on the host), and before the piece of each
     segment s it owns, snaps[s, :] = the counters then and seg_tile[s] = t (what v4's
     `_v4_rank_rows_kernel` writes, without the per-id ranks). Counters: W int32 at the
     reserved buffer's start."""
@@ -293,7 +293,7 @@ def _v5_count_kernel(
         dd = b + e
         dm = dd < WORLD
         total = _sh_ld32(gl.where(dm, dd, 0) * 4)
-        gl.store(counts_ptr + dd.to(gl.int64) * num_tiles + t, total, mask=dm)
+        gl.store(counts_ptr + t.to(gl.int64) * WORLD + dd, total, mask=dm)
     _keep_live(buf, counts_ptr, t, layout, CH)
 
 
@@ -495,6 +495,15 @@ class V5Config:
     unroll: int = 4
 
 
+def default_config_v5(world_size: int) -> V5Config:
+    """The best of the configurations timed on one H200 at 2^26 ids
+    (`benchmarks/results/dispatch_v5*.json`): 2048-id tiles and 4 warps up to W = 64,
+    4096-id tiles and 8 warps above."""
+    if world_size <= 64:
+        return V5Config(tile=2048, count_warps=4, scatter_warps=4)
+    return V5Config(tile=4096, count_warps=8, scatter_warps=8)
+
+
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4)."""
     return cfg.tile * 16 + world_size * 8 + cfg.scatter_warps * (world_size + 1) * 4
@@ -590,7 +599,7 @@ def compile_v5(
         _v5_count_kernel,
         {"values_ptr": vt, "block_sizes_ptr": vt, "seg_offsets_ptr": i64, **table,
          "tile_seg_lo_ptr": i64, "tile_seg_hi_ptr": i64, "counts_ptr": "*i32",
-         "snaps_ptr": "*i32", "seg_tile_ptr": "*i32", "num_tiles": "i32"},
+         "snaps_ptr": "*i32", "seg_tile_ptr": "*i32"},
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": count_words, "U": cfg.unroll},
         cw,
     )  # fmt: skip
@@ -621,7 +630,7 @@ def ranged_dispatch_v5(
     """Gluon `ranged_dispatch`, v5 (see the module docstring; CUDA only); same semantics
     and results as `reference.ranged_dispatch` for the inputs `v5_supported` accepts."""
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
-    cfg = config or V5Config()
+    cfg = config or default_config_v5(world_size)
     t = cfg.tile
     if t & (t - 1) or not 256 <= t <= 16384:
         raise ValueError(f"tile must be a power of two in [256, 16384], got {t}")
@@ -686,14 +695,16 @@ def ranged_dispatch_v5(
         _v5_count_kernel,
         (num_tiles,),
         (values, block_sizes, seg_offsets, tile_key, tile_start, tile_end, tile_seg_lo,
-         tile_seg_hi, counts, snaps, seg_tile, num_tiles),
+         tile_seg_hi, counts, snaps, seg_tile),
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": max(wp, cw * 32),
          "U": cfg.unroll, "num_warps": cw},
         [max(wp, cw * 32) * 4],
     )  # fmt: skip
 
-    # 4-5. v4's scan and finish pass: et rows, lengths, splits, key counts
-    scan = torch.cumsum(counts, 0, dtype=index_dtype)
+    # 4-5. v4's scan (over [dest][tile]: the count kernel's [tile][dest] rows transposed,
+    # a copy instead of W strided 4-byte stores per tile) and finish pass: et rows,
+    # lengths, splits, key counts
+    scan = torch.cumsum(counts.view(num_tiles, world_size).t().reshape(-1), 0, dtype=index_dtype)
     et = et[0] if et else torch.empty(tw, dtype=index_dtype, device=dev)
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
