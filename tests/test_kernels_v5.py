@@ -11,11 +11,15 @@ below).
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from freescale.kernels import reference
-from freescale.kernels.common import triton_available
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (transpose test)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freescale.kernels import reference  # noqa: E402
+from freescale.kernels.common import triton_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -117,14 +121,16 @@ def test_layout_check_catches_a_wrong_assumption() -> None:
     from triton.experimental.gluon import language as gl
 
     @gluon.jit
-    def with_scratch(x_ptr):  # a cross-warp sum needs Triton's own scratch buffer
+    def with_scratch(x_ptr):  # a layout change across warps needs Triton's own scratch
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        other: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
         buf = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         x = gl.load(x_ptr + gl.arange(0, 128, layout=layout))
         buf.store(x)
-        gl.store(x_ptr, gl.sum(buf.load(layout), 0))
-        buf.store(x + 1)  # the buffer is live across the sum's scratch
-        gl.store(x_ptr + 1, gl.max(buf.load(layout), 0))
+        y = gl.convert_layout(buf.load(layout), other)
+        gl.store(x_ptr + gl.arange(0, 128, layout=other), y)
+        buf.store(x + 1)  # the buffer is live across the conversion's scratch
+        gl.store(x_ptr + 128 + gl.arange(0, 128, layout=layout), buf.load(layout))
 
     src = gluon._runtime.GluonASTSource(with_scratch, signature={"x_ptr": "*i32"})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -145,3 +151,16 @@ def test_v5_equals_reference_on_gpu(world: int) -> None:
     got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=v5.V5Config(tile=512))
     for field in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
         assert torch.equal(getattr(ref, field), getattr(got, field)), field
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 70), (130, 64), (257, 1000)])
+def test_transpose_kernel_equals_torch(rows: int, cols: int, monkeypatch) -> None:
+    """`transpose_2d` (plain Triton, interpreted on CPU) against ``x.t().contiguous()`` on
+    fresh random input: the count rows' reorder that feeds v4's scan."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 set before triton is imported, or a GPU")
+    v5 = _v5()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randint(-(2**31), 2**31 - 1, (rows, cols), dtype=torch.int32, device=device)
+    got = v5.transpose_2d(x, block=16 if device == "cpu" else 64)
+    assert torch.equal(got, x.t().contiguous())

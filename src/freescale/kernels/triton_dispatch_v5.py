@@ -2,12 +2,17 @@
 its rank and scatter kernels replaced by two Gluon kernels that keep their per-tile
 state in shared memory.
 
-Owns: `ranged_dispatch_v5`, `V5Config`, `v5_supported`, `check_layout` and the two
-Gluon kernels. Same semantics and bits as `reference.ranged_dispatch` for inputs without
-weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200 by
-`benchmarks/check_kernels_cuda.py --v5`); it is not used by training or
-`ops.ranged_dispatch`. It exists to answer a question measured on one H200: how close to
-the HBM floor a dispatch gets when a Triton kernel may index shared memory (issue 3).
+Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5`, `v5_supported`,
+`check_layout`, `compile_v5`, the two Gluon kernels and a plain Triton transpose
+(`transpose_2d`). Same semantics and bits as `reference.ranged_dispatch` for inputs
+without weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200 by
+`benchmarks/dispatch_v5.py`, which exits 1 on a mismatch). Opt-in:
+``FREESCALE_TRITON_DISPATCH=v5`` routes `kernels.ranged_dispatch` here where it can run
+(v4 otherwise); "auto" keeps v4. It answers a question measured on one H200: how close
+to the HBM floor a dispatch gets when its kernels may index shared memory (issue 3).
+Measured (`benchmarks/results/dispatch_v5.json`, BENCHMARKS.md "kernels"): at 2^26
+ids 0.226 of the floor at W = 1024 (v4 0.144) and 0.491 at W = 8 (v4 0.415); on one
+rank's ~1M ids its device time is at most v4's but its host time per call is higher.
 
 Why: v4 (`triton_dispatch_v4.py`) is bound at W = 1024 by two costs that belong in
 shared memory (its module docstring and BENCHMARKS.md "kernels" have the counters):
@@ -49,6 +54,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -121,6 +128,49 @@ def _sh_st64(off, value, pred):
         "add.u32 a, a, $1; @p st.shared.u64 [a], $2; mov.u32 $0, 0; }",
         "=r,r,l,r",
         [off, value, pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_ld16(off):
+    """ld.shared.u16 at byte offset `off` (2-byte aligned), zero-extended to int32."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.u16 $0, [a]; }",
+        "=r,r",
+        [off],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_st16(off, value, pred):
+    """st.shared.u16 of the low half of `value` where `pred`; dummy result."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a; .reg .pred p; setp.ne.s32 p, $3, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p st.shared.u16 [a], $2; mov.u32 $0, 0; }",
+        "=r,r,r,r",
+        [off, value, pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _sh_add16(off, pred):
+    """+1 on the uint16 at byte offset `off` where `pred`: atom.shared.add.u32 of 1 or
+    1 << 16 on the aligned word holding it (the halves never carry: counts <= 16384)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a, v, o; .reg .pred p; setp.ne.s32 p, $2, 0; and.b32 v, $1, 2; "
+        "shl.b32 v, v, 3; mov.u32 o, 1; shl.b32 v, o, v; mov.u32 a, global_smem; add.u32 a, a, $1; "
+        "and.b32 a, a, -4; @p atom.shared.add.u32 o, [a], v; mov.u32 $0, 0; }",
+        "=r,r,r",
+        [off, pred],
         dtype=gl.int32,
         is_pure=False,
         pack=1,
@@ -213,6 +263,30 @@ def _reserve(WORDS: gl.constexpr):
 # ---------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, rows, cols, BR: tl.constexpr, BC: tl.constexpr):
+    """dst[c, r] = src[r, c] for a [rows, cols] matrix, one [BR, BC] block per program
+    (plain Triton: reads along cols, writes along rows, the reorder in between through
+    shared memory). Runs in the interpreter; `transpose_2d` is its reference."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(src_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=m, other=0)
+    tl.store(dst_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(x), mask=tl.trans(m))
+
+
+def transpose_2d(x: torch.Tensor, *, block: int = 64) -> torch.Tensor:
+    """A contiguous transpose of a 2-D tensor with `_transpose_kernel` (the count rows of
+    `_v5_count_kernel` to v4's [dest][tile] scan order; torch's copy of ``x.t()`` took
+    0.116 ms for 4K x 1K int32 on an H200)."""
+    rows, cols = x.shape
+    out = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
+    if x.numel():
+        grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+        _transpose_kernel[grid](x.contiguous(), out, rows, cols, BR=block, BC=block, num_warps=4)
+    return out
 
 
 @gluon.jit
@@ -319,8 +393,8 @@ def _v5_scatter_kernel(
 ):
     """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
     reserved buffer): VAL [TILE] int64 staging, SHIFT [W] int64 (et[t, d] minus the
-    tile-local start of d), WC [NW][W] int32 per-warp counters / running slots,
-    DIN [TILE] int32 (dest of each input id), DSLOT [TILE] int32 (dest of each slot),
+    tile-local start of d), WC [NW][W] uint16 per-warp counters / running slots,
+    DIN [TILE] uint16 (dest of each input id), DSLOT [TILE] uint16 (dest of each slot),
     WTOT [NW] int32 (the warps' totals in the scan of step b). The bytes are reserved
     as up to four buffers of B0 > B1 > B2 > B3 words (powers of two, 0: none; the binary
     digits of the size), which Triton's allocator lays out largest first, i.e. as one
@@ -329,9 +403,10 @@ def _v5_scatter_kernel(
     VAL: gl.constexpr = 0
     SHIFT: gl.constexpr = VAL + TILE * 8
     WC: gl.constexpr = SHIFT + WORLD * 8
-    DIN: gl.constexpr = WC + NW * WORLD * 4
-    DSLOT: gl.constexpr = DIN + TILE * 4
-    WTOT: gl.constexpr = DSLOT + TILE * 4
+    WC_WORDS: gl.constexpr = (NW * WORLD + 1) // 2
+    DIN: gl.constexpr = WC + WC_WORDS * 4
+    DSLOT: gl.constexpr = DIN + TILE * 2
+    WTOT: gl.constexpr = DSLOT + TILE * 2
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
     if B1 > 0:
@@ -361,8 +436,8 @@ def _v5_scatter_kernel(
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
-    for b in range(0, NW * WORLD, CH):
-        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < NW * WORLD).to(gl.int32))
+    for b in range(0, WC_WORDS, CH):
+        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < WC_WORDS).to(gl.int32))
     gl.thread_barrier()
     # (a) per-warp counts; each id's dest kept in DIN. U chunks of 32 per warp and
     # iteration (element e2 of the [CH * U] range: warp (e2 % CH) // 32, lane e2 % 32,
@@ -375,8 +450,8 @@ def _v5_scatter_kernel(
         ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         d = gl.where(m, _owner(ids, blk, WORLD, MODULO), 0)
         mi = m.to(gl.int32)
-        _sh_add32(WC + (wrow2 + d) * 4, mi)
-        _sh_st32(DIN + gl.where(m, loc, 0) * 4, d, mi)
+        _sh_add16(WC + (wrow2 + d) * 2, mi)
+        _sh_st16(DIN + gl.where(m, loc, 0) * 2, d, mi)
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
@@ -390,7 +465,7 @@ def _v5_scatter_kernel(
         ddc = gl.where(dm, dd, 0)
         tot = zero
         for ww in gl.static_range(NW):
-            tot += _sh_ld32(WC + (ww * WORLD + ddc) * 4)
+            tot += _sh_ld16(WC + (ww * WORLD + ddc) * 2)
         tot = gl.where(dm, tot, 0)
         incl = _warp_inclusive_scan(tot)
         _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
@@ -405,9 +480,9 @@ def _v5_scatter_kernel(
         carry += chunk
         run = local_start
         for ww in gl.static_range(NW):
-            a = WC + (ww * WORLD + ddc) * 4
-            cw = _sh_ld32(a)
-            _sh_st32(a, run, dm.to(gl.int32))
+            a = WC + (ww * WORLD + ddc) * 2
+            cw = _sh_ld16(a)
+            _sh_st16(a, run, dm.to(gl.int32))
             run += cw
         if ET_EARLY:
             base = _sh_ld64(SHIFT + ddc * 8)
@@ -432,15 +507,15 @@ def _v5_scatter_kernel(
         ).to(gl.int64)
         mi = m.to(gl.int32)
         locc = gl.where(m, loc, 0)
-        d = gl.where(m, _sh_ld32(DIN + locc * 4), -1)
+        d = gl.where(m, _sh_ld16(DIN + locc * 2), -1)
         peers = _match_any(d)
         earlier = _popc(peers & below)
         last = (peers & above) == 0
         dc = gl.where(m, d, 0)
-        a = WC + (w * WORLD + dc) * 4
-        slot = _sh_ld32(a) + earlier
+        a = WC + (w * WORLD + dc) * 2
+        slot = _sh_ld16(a) + earlier
         sync = _warp_sync(slot)
-        _sh_st32(a + sync, slot + 1, (m & last).to(gl.int32))
+        _sh_st16(a + sync, slot + 1, (m & last).to(gl.int32))
         sync = _warp_sync(slot)
         slotc = gl.where(m, slot, 0) + sync
         if MODULO:
@@ -448,7 +523,7 @@ def _v5_scatter_kernel(
         else:
             local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, ids // WORLD)
         _sh_st64(VAL + slotc * 8, local, mi)
-        _sh_st32(DSLOT + slotc * 4, dc, mi)
+        _sh_st16(DSLOT + slotc * 2, dc, mi)
         shift = _sh_ld64(SHIFT + dc * 8)
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
@@ -458,7 +533,7 @@ def _v5_scatter_kernel(
         m = j < n_t
         jc = gl.where(m, j, 0)
         v = _sh_ld64(VAL + jc * 8)
-        d = _sh_ld32(DSLOT + jc * 4)
+        d = _sh_ld16(DSLOT + jc * 2)
         shift = _sh_ld64(SHIFT + d * 8)
         gl.store(out_values_ptr + shift + jc.to(gl.int64),
                  v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
@@ -481,7 +556,7 @@ class V5Config:
     """Tuning knobs of `ranged_dispatch_v5` (every choice gives the same bits).
 
     tile: ids per program of both kernels (power of two, 256..16384); the scatter stages
-        a whole tile in shared memory (12 bytes per id plus 8 W + 4 W * scatter_warps).
+        a whole tile in shared memory (12 bytes per id plus 8 W + 2 W * scatter_warps).
     count_warps / scatter_warps: warps per program of each kernel.
     finish_block: v4's finish pass block (see `V4Config.finish_block`).
     unroll: ids per thread and iteration of the loops that need no order (counting,
@@ -506,7 +581,8 @@ def default_config_v5(world_size: int) -> V5Config:
 
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4)."""
-    return cfg.tile * 16 + world_size * 8 + cfg.scatter_warps * (world_size + 1) * 4
+    wc_words = (cfg.scatter_warps * world_size + 1) // 2
+    return cfg.tile * 12 + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
 
 
 def v5_supported(world_size: int, weights: Optional[torch.Tensor], cfg: V5Config) -> bool:
@@ -578,7 +654,6 @@ def compile_v5(
     runs ptxas) and check their shared-memory layouts (`check_layout`); returns
     {"count": compiled, "scatter": compiled}. Used by the CPU tests, which cannot run
     Gluon kernels."""
-    import triton
     from triton.backends.compiler import GPUTarget
 
     vt = {torch.int32: "*i32", torch.int64: "*i64"}[values_dtype]
@@ -704,7 +779,8 @@ def ranged_dispatch_v5(
     # 4-5. v4's scan (over [dest][tile]: the count kernel's [tile][dest] rows transposed,
     # a copy instead of W strided 4-byte stores per tile) and finish pass: et rows,
     # lengths, splits, key counts
-    scan = torch.cumsum(counts.view(num_tiles, world_size).t().reshape(-1), 0, dtype=index_dtype)
+    scan = torch.cumsum(transpose_2d(counts.view(num_tiles, world_size)).view(-1), 0,
+                        dtype=index_dtype)  # fmt: skip
     et = et[0] if et else torch.empty(tw, dtype=index_dtype, device=dev)
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
