@@ -139,6 +139,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--worlds", type=int, nargs="*", default=WORLDS)
     p.add_argument("--check-only", action="store_true")
     p.add_argument(
+        "--workloads", nargs="+", default=["large", "per_rank"], choices=["large", "per_rank"]
+    )
+    p.add_argument(
+        "--configs",
+        nargs="*",
+        default=sorted(CONFIGS),
+        choices=sorted(CONFIGS),
+        help="extra V5Config settings timed on the large workload",
+    )
+    p.add_argument(
         "--ncu-config",
         choices=sorted(CONFIGS),
         default=None,
@@ -177,6 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict[str, Any]] = []
     workloads = {}
     for name, batch, total in (("large", 8192, 1 << 26), ("per_rank", 128, None)):
+        if name not in args.workloads:
+            continue
         workloads[name] = wl = make_workload(name, batch, total, dev, seed=0, smoke=False)
         values, lengths, n = wl["values"], wl["lengths"], wl["n"]
         idx_bytes, len_bytes = values.element_size(), lengths.element_size()
@@ -188,8 +200,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 # what FREESCALE_TRITON_DISPATCH=v5 runs: default_config_v5
                 "v5_default": lambda a=a: v5.ranged_dispatch_v5(*a),
             }
-            for cname, fields in CONFIGS.items() if name == "large" else ():
-                cfg = v5.V5Config(**fields)
+            for cname in args.configs if name == "large" else ():
+                cfg = v5.V5Config(**CONFIGS[cname])
                 if v5.v5_supported(w, None, cfg):
                     fns[cname] = lambda a=a, cfg=cfg: v5.ranged_dispatch_v5(*a, config=cfg)
             floor_bytes = 2 * n * idx_bytes + n * 8 + lengths.numel() * len_bytes * (1 + w)
