@@ -398,9 +398,14 @@ def test_v5_request_runs_v4_where_v5_cannot(gen, monkeypatch):
     interpreter, with weights, or past W = 4096 the call runs v4 (same bits as the
     reference); on a compiled CUDA call v5 is chosen (decided from the device, no GPU
     needed for the choice)."""
+    import importlib
     import types
 
     from freescale.kernels import ops, ranged_dispatch
+
+    # imported (its plain Triton kernels decorated) while TRITON_INTERPRET=1, before the
+    # environment changes below: a later test runs them in the interpreter
+    importlib.import_module("freescale.kernels.triton_dispatch_v5")
 
     case = random_dispatch_case(gen, 8, with_weights=True)
     args = (case.values, case.lengths, case.block_sizes, 8)
