@@ -10,6 +10,7 @@
 #                                      # benchmarks/kernels.py (the kernels figure)
 #   bash benchmarks/e2e_gpu.sh kfig    # ~3 min: benchmarks/kernels.py alone (v1-v4, both v4
 #                                      # paths; each checked against v3 before timing)
+#   bash benchmarks/e2e_gpu.sh v5      # ~3.5 min: dispatch v5 (Gluon) checked and timed vs v4
 #   bash benchmarks/e2e_gpu.sh kprof   # ~5 min: per-kernel profile of v3 / v4 / v4_columns
 #                                      # at W = 8, 64, 1024, then kfig
 #   bash benchmarks/e2e_gpu.sh sparse  # ~3 min: padded sparse update bitwise on CUDA + 150-step
@@ -169,6 +170,12 @@ kfig)
   timeout 560 python benchmarks/kernels.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
     > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; tail -16 "$OUT/kernels.log"
+  ;;
+v5)
+  # (~3.5 min) dispatch v5 (Gluon, opt-in): bitwise check, then timing against v4 at 2^26
+  # ids and one rank's batch, W = 8..1024 (benchmarks/results/dispatch_v5.json)
+  timeout 500 python benchmarks/dispatch_v5.py --out "$OUT" --git-sha "${FREESCALE_GIT_SHA:-}" \
+    2>&1 | grep -vi warn | tail -40
   ;;
 kprof)
   # (~2 min) per-kernel device time of v3 and both v4 paths at W = 8, 64, 1024 (which v4
@@ -783,5 +790,5 @@ for r in d["rows"]:
 PY
   rm -rf "$OUT/e2e_phases/traces" "$OUT"/e2e_phases/*.png
   ;;
-*) echo "usage: $0 optim1|floor|baldiag|phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
+*) echo "usage: $0 optim1|floor|baldiag|phases|omp|s13a|s13b|dmet|first|vcheck|verify|kernels|sparse|host|check|smoke|main|update|ne|smfree|smcheck|sme2e|checks9|s9a|s9b|gil|gildata|ncclov|pin|smc|kv4|gloo|xcpin|kprof|v5|bal64|lowcoll|kfig|hostt|ablate|cwait|smc2" >&2; exit 2 ;;
 esac
