@@ -11,7 +11,10 @@ below).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (transpose test)
 
@@ -75,67 +78,119 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2)
 
 
+def _run_fresh(tmp_path, code: str) -> dict:
+    """Run `code` (a script printing one JSON line last) in a fresh Python process
+    without TRITON_INTERPRET: compiling for sm_90 there is independent of the patches
+    Triton's interpreter applies to its language module while interpreted kernels run
+    in this process (a Gluon compile after the v4 tests failed in-process on a cold
+    Triton cache)."""
+    script = tmp_path / "compile_v5_case.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @needs_ptxas
 @pytest.mark.parametrize(
     "world,tile,warps,unroll,modulo,dtype",
     [
-        (1, 256, 1, 1, False, torch.int32),
-        (7, 256, 2, 2, True, torch.int64),
-        (1000, 1024, 8, 8, False, torch.int32),
-        (1024, 4096, 8, 4, False, torch.int64),
-        (4096, 2048, 4, 4, True, torch.int64),
+        (1, 256, 1, 1, False, "int32"),
+        (7, 256, 2, 2, True, "int64"),
+        (1000, 1024, 8, 8, False, "int32"),
+        (1024, 4096, 8, 4, False, "int64"),
+        (4096, 2048, 4, 4, True, "int64"),
     ],
 )
-def test_kernels_compile_with_the_reserved_layout(world, tile, warps, unroll, modulo, dtype):
-    v5 = _v5()
-    cfg = v5.V5Config(tile=tile, count_warps=warps, scatter_warps=warps, unroll=unroll)
-    assert v5.v5_supported(world, None, cfg)
-    kernels = v5.compile_v5(world, cfg, modulo=modulo, values_dtype=dtype)
-    scatter = kernels["scatter"]
-    assert scatter.metadata.shared >= v5.scatter_smem_bytes(cfg, world)
-    assert scatter.metadata.shared <= v5.SMEM_LIMIT
-    ptx = scatter.asm["ptx"]
-    for instr in ("match.any.sync", "atom.shared.add.u32", "st.shared.u64", "bar.warp.sync"):
-        assert instr in ptx, instr
+def test_kernels_compile_with_the_reserved_layout(
+    tmp_path, world, tile, warps, unroll, modulo, dtype
+):
+    """Both kernels compile for sm_90 with their shared-memory layout checked
+    (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
+    they are built on."""
+    got = _run_fresh(
+        tmp_path,
+        f"""
+import json
+import torch
+from freescale.kernels import triton_dispatch_v5 as v5
+cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll})
+kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
+ptx = kernels["scatter"].asm["ptx"]
+used = ("match.any.sync", "atom.shared.add.u32", "st.shared.u64", "st.shared.u16",
+        "bar.warp.sync", "shfl.sync.up")
+print(json.dumps({{
+    "supported": v5.v5_supported({world}, None, cfg),
+    "shared": kernels["scatter"].metadata.shared,
+    "needed": v5.scatter_smem_bytes(cfg, {world}),
+    "limit": v5.SMEM_LIMIT,
+    "missing": [i for i in used if i not in ptx],
+}}))
+""",
+    )
+    assert got["supported"]
+    assert got["needed"] <= got["shared"] <= got["limit"]
+    assert got["missing"] == []
 
 
 @needs_ptxas
-def test_layout_check_catches_a_wrong_assumption() -> None:
+def test_layout_check_catches_a_wrong_assumption(tmp_path) -> None:
     """Mutations of what `check_layout` is told (a missing buffer, the wrong order) and a
     kernel whose op needs scratch shared memory are all refused."""
-    v5 = _v5()
-    cfg = v5.V5Config(tile=1024, count_warps=4, scatter_warps=4, unroll=4)
-    kernels = v5.compile_v5(1024, cfg)
-    scatter = kernels["scatter"]
-    bufs = [4 * b for b in v5.buffer_words(v5.scatter_smem_bytes(cfg, 1024), 128) if b]
-    v5.check_layout(scatter, bufs)
-    assert len(bufs) > 1
-    with pytest.raises(RuntimeError, match="some op needs scratch"):
-        v5.check_layout(scatter, bufs[:-1])
-    with pytest.raises(RuntimeError, match="largest first"):
-        v5.check_layout(scatter, list(reversed(bufs)))
+    got = _run_fresh(
+        tmp_path,
+        """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from freescale.kernels import triton_dispatch_v5 as v5
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
 
-    @gluon.jit
-    def with_scratch(x_ptr):  # a layout change across warps needs Triton's own scratch
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        other: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-        buf = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        x = gl.load(x_ptr + gl.arange(0, 128, layout=layout))
-        buf.store(x)
-        y = gl.convert_layout(buf.load(layout), other)
-        gl.store(x_ptr + gl.arange(0, 128, layout=other), y)
-        buf.store(x + 1)  # the buffer is live across the conversion's scratch
-        gl.store(x_ptr + 128 + gl.arange(0, 128, layout=layout), buf.load(layout))
+@gluon.jit
+def with_scratch(x_ptr):  # a layout change across warps needs Triton's own scratch
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    other: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    buf = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    x = gl.load(x_ptr + gl.arange(0, 128, layout=layout))
+    buf.store(x)
+    y = gl.convert_layout(buf.load(layout), other)
+    gl.store(x_ptr + gl.arange(0, 128, layout=other), y)
+    buf.store(x + 1)  # the buffer is live across the conversion's scratch
+    gl.store(x_ptr + 128 + gl.arange(0, 128, layout=layout), buf.load(layout))
 
-    src = gluon._runtime.GluonASTSource(with_scratch, signature={"x_ptr": "*i32"})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    with pytest.raises(RuntimeError, match="some op needs scratch"):
-        v5.check_layout(compiled, [512])
+
+def outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+cfg = v5.V5Config(tile=1024, count_warps=4, scatter_warps=4, unroll=4)
+scatter = v5.compile_v5(1024, cfg)["scatter"]
+bufs = [4 * b for b in v5.buffer_words(v5.scatter_smem_bytes(cfg, 1024), 128) if b]
+src = gluon._runtime.GluonASTSource(with_scratch, signature={"x_ptr": "*i32"})
+scratch = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({
+    "buffers": len(bufs),
+    "right": outcome(lambda: v5.check_layout(scatter, bufs)),
+    "missing": outcome(lambda: v5.check_layout(scatter, bufs[:-1])),
+    "reversed": outcome(lambda: v5.check_layout(scatter, list(reversed(bufs)))),
+    "scratch": outcome(lambda: v5.check_layout(scratch, [512])),
+}))
+""",
+    )
+    assert got["buffers"] > 1
+    assert got["right"] == "ok"
+    assert "some op needs scratch" in got["missing"]
+    assert "largest first" in got["reversed"]
+    assert "some op needs scratch" in got["scratch"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")

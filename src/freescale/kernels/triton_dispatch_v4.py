@@ -964,6 +964,73 @@ def _use_match(cfg: V4Config, device: torch.device) -> bool:
     return runnable and cfg.peers != "compare"
 
 
+def launch_tables(
+    lengths: torch.Tensor,
+    seg_offsets: torch.Tensor,
+    key_tile_first: torch.Tensor,
+    table: tuple,
+    num_keys: int,
+    batch: int,
+    num_tiles: int,
+    tile: int,
+) -> None:
+    """Steps 1-2 (also v5's): segment offsets and the first tile of every key (one
+    program), then the tile table ``(tile_key, tile_start, tile_end, tile_seg_lo,
+    tile_seg_hi)`` by binary searches; one launch when one program covers every tile."""
+    nseg = num_keys * batch
+    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
+    seg_warps = 8 if block >= 2048 else 4
+    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
+    key_iters = (num_keys + 1).bit_length() + 1
+    if num_tiles <= FUSED_TABLES_MAX_TILES:
+        _v4_tables_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
+            TILE=tile, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
+            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
+        )  # fmt: skip
+    else:
+        _v4_segment_kernel[(1,)](
+            lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=tile,
+            BLOCK=block, num_warps=seg_warps,
+        )  # fmt: skip
+        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
+            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=tile,
+            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
+        )  # fmt: skip
+
+
+def launch_finish_rows(
+    scan: torch.Tensor,
+    snaps: torch.Tensor,
+    seg_tile: torch.Tensor,
+    key_tile_first: torch.Tensor,
+    et: torch.Tensor,
+    new_lengths: torch.Tensor,
+    splits: torch.Tensor,
+    key_counts: torch.Tensor,
+    num_tiles: int,
+    nseg: int,
+    num_keys: int,
+    world_size: int,
+    finish_block: int,
+) -> None:
+    """Step 5 of the "rows" lengths mode (also v5's): `_v4_finish_rows_kernel` over its
+    three program ranges (et rows, lengths, splits and key counts)."""
+    block_d = 256
+    fb = finish_block
+    bd = min(max(2, next_power_of_2(world_size)), fb)
+    d_blocks = cdiv(world_size, bd)
+    et_blocks = cdiv(num_tiles, fb) * d_blocks
+    seg_blocks = cdiv(nseg, fb)
+    len_blocks = seg_blocks * d_blocks
+    grid = (et_blocks + len_blocks + cdiv(world_size, block_d),)
+    _v4_finish_rows_kernel[grid](
+        scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
+        num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
+        BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+
+
 def ranged_dispatch_v4(
     values: torch.Tensor,
     lengths: torch.Tensor,
@@ -1044,26 +1111,8 @@ def ranged_dispatch_v4(
 
     # 1-2. segment offsets and the first tile of every key (one program), then the tile
     # table (binary searches); one launch when one program covers every tile
-    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
-    seg_warps = 8 if block >= 2048 else 4
-    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
-    key_iters = (num_keys + 1).bit_length() + 1
     table = (tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi)
-    if num_tiles <= FUSED_TABLES_MAX_TILES:
-        _v4_tables_kernel[(1,)](
-            lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
-            TILE=cfg.tile, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
-            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
-        )  # fmt: skip
-    else:
-        _v4_segment_kernel[(1,)](
-            lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=cfg.tile,
-            BLOCK=block, num_warps=seg_warps,
-        )  # fmt: skip
-        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
-            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=cfg.tile,
-            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
-        )  # fmt: skip
+    launch_tables(lengths, seg_offsets, key_tile_first, table, num_keys, batch, num_tiles, cfg.tile)
     tiles = (tile_key, tile_start, tile_end)
 
     # 3. ranks in tile, per-(dest, tile) counts in [dest][tile] order, and per segment
@@ -1093,18 +1142,9 @@ def ranged_dispatch_v4(
     key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
     block_d = 256
     if rows_mode:
-        fb = cfg.finish_block
-        bd = min(wp, fb)
-        d_blocks = cdiv(world_size, bd)
-        et_blocks = cdiv(num_tiles, fb) * d_blocks
-        seg_blocks = cdiv(nseg, fb)
-        len_blocks = seg_blocks * d_blocks
-        grid = (et_blocks + len_blocks + cdiv(world_size, block_d),)
-        _v4_finish_rows_kernel[grid](
-            scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
-            num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
-            BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+        launch_finish_rows(scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits,
+                           key_counts, num_tiles, nseg, num_keys, world_size,
+                           cfg.finish_block)  # fmt: skip
     else:
         _v4_finish_kernel[(num_tiles + cdiv(world_size, block_d),)](
             scan, seg_offsets, key_tile_first, tile_key, tile_end, tile_seg_lo, tile_seg_hi,

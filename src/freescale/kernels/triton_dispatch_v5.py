@@ -60,16 +60,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from freescale.kernels import reference
-from freescale.kernels.common import DispatchResult, cdiv, check_dispatch_inputs, next_power_of_2
-from freescale.kernels.triton_dispatch_v4 import (
-    FUSED_TABLES_MAX_TILES,
-    TABLE_BLOCK,
-    _carve,
-    _v4_finish_rows_kernel,
-    _v4_segment_kernel,
-    _v4_tables_kernel,
-    _v4_tile_table_kernel,
-)
+from freescale.kernels.common import DispatchResult, check_dispatch_inputs, next_power_of_2
+from freescale.kernels.triton_dispatch_v4 import _carve, launch_finish_rows, launch_tables
 
 V5_MAX_WORLD = 4096  # per-warp counter rows: NW * W * 4 bytes of shared memory
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 program may use
@@ -743,26 +735,8 @@ def ranged_dispatch_v5(
     counts = counts[:tw]
 
     # 1-2. v4's segment offsets and tile table
-    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
-    seg_warps = 8 if block >= 2048 else 4
-    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1
-    key_iters = (num_keys + 1).bit_length() + 1
     table = (tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi)
-    if num_tiles <= FUSED_TABLES_MAX_TILES:
-        _v4_tables_kernel[(1,)](
-            lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
-            TILE=t, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
-            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
-        )  # fmt: skip
-    else:
-        _v4_segment_kernel[(1,)](
-            lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=t,
-            BLOCK=block, num_warps=seg_warps,
-        )  # fmt: skip
-        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
-            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=t,
-            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
-        )  # fmt: skip
+    launch_tables(lengths, seg_offsets, key_tile_first, table, num_keys, batch, num_tiles, t)
 
     # 3. per-(dest, tile) counts and per-segment counter snapshots (shared counters)
     cw = cfg.count_warps
@@ -785,18 +759,9 @@ def ranged_dispatch_v5(
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
     key_counts = torch.empty((world_size, num_keys), dtype=torch.int64, device=dev)
-    block_d = 256
-    fb = cfg.finish_block
-    bd = min(wp, fb)
-    d_blocks = cdiv(world_size, bd)
-    et_blocks = cdiv(num_tiles, fb) * d_blocks
-    seg_blocks = cdiv(nseg, fb)
-    len_blocks = seg_blocks * d_blocks
-    _v4_finish_rows_kernel[(et_blocks + len_blocks + cdiv(world_size, block_d),)](
-        scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits, key_counts,
-        num_tiles, nseg, num_keys, et_blocks, len_blocks, seg_blocks, WORLD=world_size,
-        BT=fb, BS=fb, BD=bd, BLOCK_D=block_d, num_warps=4,
-    )  # fmt: skip
+    launch_finish_rows(scan, snaps, seg_tile, key_tile_first, et, new_lengths, splits,
+                       key_counts, num_tiles, nseg, num_keys, world_size,
+                       cfg.finish_block)  # fmt: skip
 
     # 6. scatter through shared staging
     out_values = torch.empty_like(values)
