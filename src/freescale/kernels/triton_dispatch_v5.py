@@ -11,7 +11,7 @@ without weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200
 (v4 otherwise); "auto" keeps v4. It answers a question measured on one H200: how close
 to the HBM floor a dispatch gets when its kernels may index shared memory (issue 3).
 Measured (`benchmarks/results/dispatch_v5.json`, BENCHMARKS.md "kernels"): at 2^26
-ids 0.226 of the floor at W = 1024 (v4 0.144) and 0.491 at W = 8 (v4 0.415); on one
+ids 0.257 of the floor at W = 1024 (v4 0.144) and 0.498 at W = 8 (v4 0.415); on one
 rank's ~1M ids its device time is at most v4's but its host time per call is higher.
 
 Why: v4 (`triton_dispatch_v4.py`) is bound at W = 1024 by two costs that belong in
@@ -20,19 +20,21 @@ per-tile counters written back to L2 after every 32 ids, and a scatter storing e
 8-byte id to its own sector. Triton's language cannot index shared memory per lane.
 Gluon (``triton.experimental.gluon``, shipped with Triton) can reserve a shared buffer;
 the per-lane loads, stores and atomics on it are PTX through
-``inline_asm_elementwise``, addressed from Triton's ``global_smem`` symbol plus the
-buffers' offsets, which `check_layout` reads back from each compiled kernel.
+``inline_asm_elementwise``, addressed from Triton's ``global_smem`` symbol: the
+buffers form one range from offset 0, which `check_layout` verifies on each compiled
+kernel (its shared size and the buffers' bases in the LLVM IR).
 
 Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
 
 * `_v5_count_kernel`: per-dest counters in shared memory, one ``atom.shared.add`` per
   id; before the piece of every segment the tile owns, the counters are copied to
   snaps[s, :] (v4's "rows" snapshot, so v4's finish pass makes lengths, et rows, splits
-  and key counts unchanged); counts[d * T + t] at the end. Reads each id once; writes
+  and key counts unchanged); counts[t, :] as a row at the end (`transpose_2d` turns
+  the rows into v4's [dest][tile] order for the scan). Reads each id once; writes
   no per-id state (v4's rank kernel writes a 4-byte rank per id and reads it back).
 * `_v5_scatter_kernel`: warp w owns the w-th contiguous sub-range of the tile.
-  (a) each warp counts its sub-range's dests into its own shared row and keeps each
-  id's dest; (b) per dest, the tile-local start (exclusive scan over dests) plus the
+  (a) each warp counts its sub-range's dests into its own shared row (uint16) and keeps
+  each id's dest (uint16); (b) per dest, the tile-local start (exclusive scan over dests) plus the
   counts of earlier warps; (c) each warp walks its sub-range in order, 32 ids at a
   time: ``match.any`` gives same-dest lanes, the stable slot is the warp's running
   count + earlier peers, the dest's last lane advances the count; the local row goes
@@ -43,7 +45,7 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
 The output is the stable sort by dest of each tile (v4's definition), so positions
 equal v4's bit for bit. No atomics on global memory, one writer per output element.
 CPU: the kernels need a GPU (Gluon has no interpreter); tests compile them for sm_90
-(`compile_v5_for`) and check the shared-memory layout assumption, and the GPU check
+(`compile_v5`) and check the shared-memory layout assumption, and the GPU check
 compares the bits.
 """
 
@@ -449,7 +451,7 @@ def _v5_scatter_kernel(
     gl.thread_barrier()
     # (b) per dest: tile-local start (exclusive scan over dests), warp starts, shift.
     # The scan is PTX shuffles within a warp plus the warps' totals through WTOT: no
-    # Triton op here may need shared scratch (see `_launch`).
+    # Triton op here may need shared scratch (see `check_layout`).
     carry = zero
     for b in range(0, WORLD, CH):
         dd = b + e
