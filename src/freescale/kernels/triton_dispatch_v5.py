@@ -63,7 +63,13 @@ from triton.experimental.gluon import language as gl
 
 from freescale.kernels import reference
 from freescale.kernels.common import DispatchResult, check_dispatch_inputs, next_power_of_2
-from freescale.kernels.triton_dispatch_v4 import _carve, launch_finish_rows, launch_tables
+from freescale.kernels.triton_dispatch_v4 import (  # plain Triton helpers Gluon calls
+    _carve,
+    _owner,
+    _popc,
+    launch_finish_rows,
+    launch_tables,
+)
 
 V5_MAX_WORLD = 4096  # per-warp counter rows: NW * W * 4 bytes of shared memory
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100/H200 program may use
@@ -196,16 +202,11 @@ def _warp_sync(x):
 
 @gluon.jit
 def _match_any(x):
-    """match.any.sync: per lane, the lanes of its warp holding the same int32."""
+    """match.any.sync: per lane, the lanes of its warp holding the same int32 (v4's
+    `_match_any` is declared pure; here it stays in program order among the shared
+    accesses of the ranking loop, as measured)."""
     return gl.inline_asm_elementwise(
         "match.any.sync.b32 $0, $1, -1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _popc(x):
-    return gl.inline_asm_elementwise(
-        "popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
     )
 
 
@@ -226,16 +227,6 @@ def _warp_inclusive_scan(x):
         is_pure=False,
         pack=1,
     )
-
-
-@gluon.jit
-def _owner(ids, blk, WORLD: gl.constexpr, MODULO: gl.constexpr):
-    """Owner (int32) of int64 ids: `reference.owner_and_local`'s rule (as v4's)."""
-    if MODULO:
-        owner = ids % WORLD
-    else:
-        owner = gl.where(ids < blk * WORLD, ids // blk, ids % WORLD)
-    return owner.to(gl.int32)
 
 
 @gluon.jit
