@@ -7,8 +7,8 @@ accesses). This script:
 
 1. checks v5 bit for bit against `reference.ranged_dispatch` on fresh random inputs
    (W = 1 .. 4096, int32 and int64, block and modulo, empty segments, ids at range
-   borders, segments crossing tiles, several tiles and warp counts); any mismatch ends
-   the run with exit 1 before timing;
+   borders, segments crossing tiles, several tiles and warp counts, both scatters); any
+   mismatch ends the run with exit 1 before timing;
 2. times v4 (defaults) and v5 (its defaults, `default_config_v5`, and a few tile x warps
    configs) on `kernels.py`'s large workload (2^26 ids, 4 keys, 8192 samples) and v4 /
    v5 defaults on its per-rank one (128 samples, ~1M ids) at W = 8 .. 1024 (CUDA events,
@@ -48,7 +48,16 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
     "v5_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4},
     "v5_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
     "v5_t8192_c8_s16_u8": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 8},
-}
+    # scatter="ranks": the in-order loop only ranks, placement after it (session 27)
+    "ranks_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4,
+                          "scatter": "ranks"},
+    "ranks_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4,
+                          "scatter": "ranks"},
+    "ranks_t4096_c8_s16_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 16, "unroll": 4,
+                              "scatter": "ranks"},
+    "ranks_t8192_c8_s16_u8": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 8,
+                              "scatter": "ranks"},
+}  # fmt: skip
 
 
 def _diff(a, b) -> list[str]:
@@ -84,7 +93,14 @@ def check(v5, g: torch.Generator) -> int:
                         v5.V5Config(tile=256, count_warps=4, scatter_warps=2, unroll=2),
                         v5.V5Config(tile=1024, count_warps=8, scatter_warps=8, unroll=8),
                         v5.V5Config(),
-                    ):
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    scatter="ranks"),
+                        v5.V5Config(tile=256, count_warps=2, scatter_warps=8, unroll=2,
+                                    scatter="ranks"),
+                        v5.V5Config(tile=1024, count_warps=8, scatter_warps=4, unroll=8,
+                                    scatter="ranks"),
+                        v5.V5Config(scatter="ranks"),
+                    ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue
                         cases += 1

@@ -499,3 +499,77 @@ def test_dispatch_version_rule(monkeypatch):
     monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", "V4")
     with pytest.raises(ValueError, match="FREESCALE_TRITON_DISPATCH"):
         ops.triton_dispatch_version(5, 2)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from freescale.kernels import triton_dispatch_v4 as _v4_mod
+
+    @triton.jit
+    def _owner_probe(ids_ptr, out_ptr, blk_ptr, n, WORLD: tl.constexpr, MODULO: tl.constexpr,
+                     EXACT: tl.constexpr, B: tl.constexpr):  # fmt: skip
+        """out = v4's `_owner` (or `owner_exact`) of ids, looked up on the module at run
+        time (the interpreter), so that a test can swap it."""
+        offs = tl.arange(0, B)
+        m = offs < n
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int64)
+        blk = tl.load(blk_ptr).to(tl.int64)
+        if EXACT:
+            owner = _v4_mod.owner_exact(ids, blk, WORLD, MODULO)
+        else:
+            owner = _v4_mod._owner(ids, blk, WORLD, MODULO)
+        tl.store(out_ptr + offs, owner, mask=m)
+
+    @triton.jit
+    def _owner_uncorrected(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
+        """The mutation: `_owner`'s float estimate without its correction."""
+        est = tl.minimum(ids.to(tl.float32) * (1.0 / blk.to(tl.float32)), WORLD * 1.0)
+        return tl.where(ids < blk * WORLD, est.to(tl.int32), (ids % WORLD).to(tl.int32))
+
+
+def _owner_cases(gen) -> list[tuple[int, int, torch.Tensor]]:
+    """(world, blk, ids): ids at every block border +-1, random ids below and above
+    blk * world, and ids near 2^62 (the float estimate's largest relative error)."""
+    cases = []
+    for world, blk in ((1, 5), (3, 7), (1000, 1), (1024, 977), (4096, 1 << 40), (32767, 3),
+                       (7, (1 << 59) + 12345), (1024, 65537)):  # fmt: skip
+        borders = torch.arange(world + 1, dtype=torch.int64) * blk
+        ids = torch.cat([borders - 1, borders, borders + 1]).clamp(min=0)
+        top = blk * world
+        rnd = (torch.rand(512, generator=gen, dtype=torch.float64) * top).long()
+        past = top + torch.randint(0, 1 << 30, (64,), generator=gen)
+        cases.append((world, blk, torch.cat([ids, rnd, past.clamp(max=(1 << 63) - 1)])))
+    return cases
+
+
+@pytest.mark.parametrize("mode", ["block", "modulo"])
+def test_owner_without_division_is_exact(gen, mode):
+    """v4/v5's `_owner` (float estimate + one exact correction, no 64-bit division) gives
+    `reference.owner_and_local`'s owners on border and random ids; the plain rule
+    `owner_exact` agrees; and an estimate without the correction is caught (the check can
+    fail)."""
+    modulo = mode == "modulo"
+
+    def run(ids, world, blk, exact):
+        out = torch.empty(ids.numel(), dtype=torch.int32)
+        n, blocks = ids.numel(), torch.tensor([blk])
+        _owner_probe[(1,)](ids, out, blocks, n, WORLD=world, MODULO=modulo, EXACT=exact,
+                           B=triton.next_power_of_2(n))  # fmt: skip
+        return out.long()
+
+    caught = 0
+    for world, blk, ids in _owner_cases(gen):
+        keys = torch.zeros(ids.numel(), dtype=torch.int64)
+        want, _ = reference.owner_and_local(ids, keys, torch.tensor([blk]), world, mode)
+        assert torch.equal(run(ids, world, blk, False), want), (world, blk, mode)
+        assert torch.equal(run(ids, world, blk, True), want), (world, blk, mode)
+        if not modulo:
+            saved = _v4_mod._owner
+            try:
+                _v4_mod._owner = _owner_uncorrected
+                caught += not torch.equal(run(ids, world, blk, False), want)
+            finally:
+                _v4_mod._owner = saved
+    assert modulo or caught > 0, "the uncorrected estimate was never wrong: the cases are too easy"

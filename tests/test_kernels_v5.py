@@ -70,6 +70,11 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(scatter_warps=3))
     with pytest.raises(ValueError, match="unroll"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(unroll=3))
+    with pytest.raises(ValueError, match="scatter must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(scatter="sorted"))
+    small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
+    with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
     with pytest.raises(ValueError, match="no weights"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, weights=torch.ones(4))
     with pytest.raises(ValueError, match="world_size <= 4096"):
@@ -96,17 +101,21 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype",
+    "world,tile,warps,unroll,modulo,dtype,scatter",
     [
-        (1, 256, 1, 1, False, "int32"),
-        (7, 256, 2, 2, True, "int64"),
-        (1000, 1024, 8, 8, False, "int32"),
-        (1024, 4096, 8, 4, False, "int64"),
-        (4096, 2048, 4, 4, True, "int64"),
+        (1, 256, 1, 1, False, "int32", "staged"),
+        (7, 256, 2, 2, True, "int64", "staged"),
+        (1000, 1024, 8, 8, False, "int32", "staged"),
+        (1024, 4096, 8, 4, False, "int64", "staged"),
+        (4096, 2048, 4, 4, True, "int64", "staged"),
+        (1, 256, 1, 1, False, "int32", "ranks"),
+        (7, 256, 8, 2, True, "int64", "ranks"),
+        (1024, 4096, 8, 4, False, "int64", "ranks"),
+        (4096, 2048, 4, 4, True, "int32", "ranks"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
-    tmp_path, world, tile, warps, unroll, modulo, dtype
+    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -117,11 +126,14 @@ def test_kernels_compile_with_the_reserved_layout(
 import json
 import torch
 from freescale.kernels import triton_dispatch_v5 as v5
-cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll})
+cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
+                  scatter="{scatter}")
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
-used = ("match.any.sync", "atom.shared.add.u32", "st.shared.u64", "st.shared.u16",
-        "bar.warp.sync", "shfl.sync.up")
+used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
+used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
+assert "atom.shared" in kernels["count"].asm["ptx"]
+assert "div.s64" not in ptx  # block owners without a 64-bit division (v4's _owner)
 print(json.dumps({{
     "supported": v5.v5_supported({world}, None, cfg),
     "shared": kernels["scatter"].metadata.shared,
@@ -194,8 +206,9 @@ print(json.dumps({
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
+@pytest.mark.parametrize("scatter", ["staged", "ranks"])
 @pytest.mark.parametrize("world", [1, 8, 1024])
-def test_v5_equals_reference_on_gpu(world: int) -> None:
+def test_v5_equals_reference_on_gpu(world: int, scatter: str) -> None:
     v5 = _v5()
     g = torch.Generator(device="cuda").manual_seed(world)
     lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
@@ -203,7 +216,8 @@ def test_v5_equals_reference_on_gpu(world: int) -> None:
     vals = torch.randint(0, 10_000, (n,), device="cuda", generator=g)
     blocks = torch.full((3,), -(-10_000 // world), device="cuda")
     ref = reference.ranged_dispatch(vals, lengths, blocks, world)
-    got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=v5.V5Config(tile=512))
+    cfg = v5.V5Config(tile=512, scatter=scatter)
+    got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=cfg)
     for field in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
         assert torch.equal(getattr(ref, field), getattr(got, field)), field
 

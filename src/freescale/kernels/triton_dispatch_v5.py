@@ -65,7 +65,7 @@ from freescale.kernels import reference
 from freescale.kernels.common import DispatchResult, check_dispatch_inputs, next_power_of_2
 from freescale.kernels.triton_dispatch_v4 import (  # plain Triton helpers Gluon calls
     _carve,
-    _owner,
+    _owner_inv,
     _popc,
     launch_finish_rows,
     launch_tables,
@@ -275,7 +275,7 @@ def transpose_2d(x: torch.Tensor, *, block: int = 64) -> torch.Tensor:
 
 
 @gluon.jit
-def _count_piece(values_ptr, lo, hi, blk, e, WORLD: gl.constexpr,
+def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
                  MODULO: gl.constexpr, CH: gl.constexpr):  # fmt: skip
     # CH: the length of e (ids per iteration)
     """Shared counters[dest] += 1 for ids values[lo:hi] (order does not matter)."""
@@ -284,7 +284,7 @@ def _count_piece(values_ptr, lo, hi, blk, e, WORLD: gl.constexpr,
         offs = p + e
         m = offs < hi
         ids = gl.load(values_ptr + offs, mask=m, other=0).to(gl.int64)
-        d = _owner(ids, blk, WORLD, MODULO)
+        d = _owner_inv(ids, blk, inv, WORLD, MODULO)
         _sh_add32(gl.where(m, d, 0) * 4, m.to(gl.int32))
         p += CH
 
@@ -323,6 +323,7 @@ def _v5_count_kernel(
     seg_lo = gl.load(tile_seg_lo_ptr + t)
     seg_hi = gl.load(tile_seg_hi_ptr + t)
     blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    inv = 1.0 / blk.to(gl.float32)  # for _owner_inv
     e = gl.arange(0, CH, layout=layout)
     for b in range(0, WORLD, CH):
         dd = b + e
@@ -330,7 +331,7 @@ def _v5_count_kernel(
     gl.thread_barrier()
     head_end = gl.where(seg_lo < seg_hi, gl.load(seg_offsets_ptr + seg_lo), end)
     eu = gl.arange(0, CH * U, layout=layout)  # U ids per thread and iteration
-    _count_piece(values_ptr, start, head_end, blk, eu, WORLD, MODULO, CH * U)
+    _count_piece(values_ptr, start, head_end, blk, inv, eu, WORLD, MODULO, CH * U)
     s = seg_lo
     seg_start = head_end
     while s < seg_hi:
@@ -343,7 +344,7 @@ def _v5_count_kernel(
         gl.store(seg_tile_ptr + s, t)
         gl.thread_barrier()  # every snapshot read precedes the next piece's atomics
         seg_end = gl.load(seg_offsets_ptr + s + 1)
-        _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, eu, WORLD,
+        _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, inv, eu, WORLD,
                      MODULO, CH * U)  # fmt: skip
         seg_start = seg_end
         s += 1
@@ -405,6 +406,7 @@ def _v5_scatter_kernel(
     start = gl.load(tile_start_ptr + t)
     end = gl.load(tile_end_ptr + t)
     blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    inv = 1.0 / blk.to(gl.float32)  # for _owner_inv
     n_t = (end - start).to(gl.int32)
     sub = (n_t + CH * U - 1) // (CH * U) * (32 * U)  # ids per warp, a multiple of 32 U
     e = gl.arange(0, CH, layout=layout)
@@ -433,7 +435,7 @@ def _v5_scatter_kernel(
         loc = loc2 + c
         m = loc < n_t
         ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
-        d = gl.where(m, _owner(ids, blk, WORLD, MODULO), 0)
+        d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), 0)
         mi = m.to(gl.int32)
         _sh_add16(WC + (wrow2 + d) * 2, mi)
         _sh_st16(DIN + gl.where(m, loc, 0) * 2, d, mi)
@@ -531,6 +533,171 @@ def _v5_scatter_kernel(
         _keep_live(buf3, out_values_ptr, t, layout, CH)
 
 
+@gluon.jit
+def _v5_scatter_ranks_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    et_ptr,
+    out_values_ptr,
+    perm_ptr,
+    WORLD: gl.constexpr,
+    MODULO: gl.constexpr,
+    TILE: gl.constexpr,
+    NW: gl.constexpr,
+    U: gl.constexpr,
+    B0: gl.constexpr,
+    B1: gl.constexpr,
+    B2: gl.constexpr,
+    B3: gl.constexpr,
+):
+    """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d): the only
+    loop in input order per warp does just what stability needs; the random shared
+    accesses of placement run after it, U ids per thread at a time, in any order. Shared
+    layout (bytes): VAL [TILE] int64 staging; SHIFT [W] int64; WC [NW][W] uint16 per-warp
+    counters, then slot starts; DSLOT [TILE] uint16 (dest of each slot); RNK [TILE] uint16
+    (rank of each input id among its warp's ids of the same dest); WTOT [NW] int32.
+    Reserved as `_v5_scatter_kernel` does."""
+    CH: gl.constexpr = NW * 32
+    SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
+    VAL: gl.constexpr = 0
+    SHIFT: gl.constexpr = VAL + TILE * 8
+    WC: gl.constexpr = SHIFT + WORLD * 8
+    WC_WORDS: gl.constexpr = (NW * WORLD + 1) // 2
+    DSLOT: gl.constexpr = WC + WC_WORDS * 4
+    RNK: gl.constexpr = DSLOT + TILE * 2
+    WTOT: gl.constexpr = RNK + TILE * 2
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    buf0 = _reserve(B0)
+    if B1 > 0:
+        buf1 = _reserve(B1)
+    if B2 > 0:
+        buf2 = _reserve(B2)
+    if B3 > 0:
+        buf3 = _reserve(B3)
+    t = gl.program_id(0).to(gl.int64)
+    key = gl.load(tile_key_ptr + t)
+    start = gl.load(tile_start_ptr + t)
+    end = gl.load(tile_end_ptr + t)
+    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    inv = 1.0 / blk.to(gl.float32)  # for _owner_inv
+    n_t = (end - start).to(gl.int32)
+    e = gl.arange(0, CH, layout=layout)
+    w = e // 32
+    lane = e % 32
+    one = gl.full([CH], 1, gl.int32, layout)
+    below = (one << lane) - 1
+    above = ~(below | (one << lane))
+    zero = gl.zeros([CH], gl.int32, layout)
+    e2 = gl.arange(0, CH * U, layout=layout)
+    ET_EARLY: gl.constexpr = WORLD <= CH * U
+    if ET_EARLY:
+        et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
+    for b in range(0, WC_WORDS, CH):
+        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < WC_WORDS).to(gl.int32))
+    gl.thread_barrier()
+    # (r1) per warp, in input order: rank within the warp among ids of the same dest
+    # (match.any peers + the warp's running count) to RNK
+    wloc = w * SUB + lane
+    wend = gl.minimum(n_t, w * SUB + SUB)
+    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
+    ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend, other=0).to(gl.int64)
+    for c in range(0, SUB, 32):
+        loc = wloc + c
+        m = loc < wend
+        ids = ids_1
+        ids_1 = ids_2
+        ahead = loc + 64
+        ids_2 = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
+        mi = m.to(gl.int32)
+        d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
+        peers = _match_any(d)
+        earlier = _popc(peers & below)
+        last = (peers & above) == 0
+        dc = gl.where(m, d, 0)
+        a = WC + (w * WORLD + dc) * 2
+        rank = _sh_ld16(a) + earlier
+        sync = _warp_sync(rank)
+        _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
+        sync = _warp_sync(rank)
+        _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    if ET_EARLY:
+        _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
+    gl.thread_barrier()
+    # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT (as the staged
+    # kernel's step b)
+    carry = zero
+    for b in range(0, WORLD, CH):
+        dd = b + e
+        dm = dd < WORLD
+        ddc = gl.where(dm, dd, 0)
+        tot = zero
+        for ww in gl.static_range(NW):
+            tot += _sh_ld16(WC + (ww * WORLD + ddc) * 2)
+        tot = gl.where(dm, tot, 0)
+        incl = _warp_inclusive_scan(tot)
+        _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
+        gl.thread_barrier()
+        before = zero
+        chunk = zero
+        for ww in gl.static_range(NW):
+            wt = _sh_ld32(WTOT + ww * 4 + zero)
+            before += gl.where(w > ww, wt, 0)
+            chunk += wt
+        local_start = carry + before + incl - tot
+        carry += chunk
+        run = local_start
+        for ww in gl.static_range(NW):
+            a = WC + (ww * WORLD + ddc) * 2
+            cw = _sh_ld16(a)
+            _sh_st16(a, run, dm.to(gl.int32))
+            run += cw
+        if ET_EARLY:
+            base = _sh_ld64(SHIFT + ddc * 8)
+        else:
+            base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
+        _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
+        gl.thread_barrier()
+    # (r2) every id in any order: the dest again (from the id), slot = the warp's start
+    # for the dest + the rank; value staged at the slot, output position to perm
+    for j0 in range(0, n_t, CH * U):
+        loc = j0 + e2
+        m = loc < n_t
+        locc = gl.where(m, loc, 0)
+        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+        slot = _sh_ld16(WC + ((locc // SUB) * WORLD + d) * 2) + _sh_ld16(RNK + locc * 2)
+        if MODULO:
+            local = ids // WORLD
+        else:
+            local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, ids // WORLD)
+        mi = m.to(gl.int32)
+        _sh_st64(VAL + slot * 8, local, mi)
+        _sh_st16(DSLOT + slot * 2, d, mi)
+        shift = _sh_ld64(SHIFT + d * 8)
+        gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
+    gl.thread_barrier()
+    # (d) write the staged tile out in slot order (as the staged kernel's step d)
+    for j0 in range(0, n_t, CH * U):
+        j = j0 + e2
+        m = j < n_t
+        jc = gl.where(m, j, 0)
+        v = _sh_ld64(VAL + jc * 8)
+        d = _sh_ld16(DSLOT + jc * 2)
+        shift = _sh_ld64(SHIFT + d * 8)
+        gl.store(out_values_ptr + shift + jc.to(gl.int64),
+                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+    _keep_live(buf0, out_values_ptr, t, layout, CH)
+    if B1 > 0:
+        _keep_live(buf1, out_values_ptr, t, layout, CH)
+    if B2 > 0:
+        _keep_live(buf2, out_values_ptr, t, layout, CH)
+    if B3 > 0:
+        _keep_live(buf3, out_values_ptr, t, layout, CH)
+
+
 # ---------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------
@@ -546,6 +713,10 @@ class V5Config:
     finish_block: v4's finish pass block (see `V4Config.finish_block`).
     unroll: ids per thread and iteration of the loops that need no order (counting,
         write-out): loads in flight per thread (1, 2, 4 or 8).
+    scatter: "staged" (`_v5_scatter_kernel`: per-warp counts first, then one loop in
+        input order that ranks and places) or "ranks" (`_v5_scatter_ranks_kernel`: the
+        loop in input order only ranks; placement runs after it in any order; needs
+        tile >= 32 * scatter_warps).
     """
 
     tile: int = 4096
@@ -553,6 +724,7 @@ class V5Config:
     scatter_warps: int = 8
     finish_block: int = 32
     unroll: int = 4
+    scatter: str = "staged"
 
 
 def default_config_v5(world_size: int) -> V5Config:
@@ -564,10 +736,37 @@ def default_config_v5(world_size: int) -> V5Config:
     return V5Config(tile=4096, count_warps=8, scatter_warps=8)
 
 
+SCATTERS = ("staged", "ranks")
+
+
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
-    """Shared memory the scatter program reserves (the count program's is W * 4)."""
+    """Shared memory the scatter program reserves (the count program's is W * 4): per id
+    12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest)."""
     wc_words = (cfg.scatter_warps * world_size + 1) // 2
     return cfg.tile * 12 + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
+
+
+def _scatter_kernel(cfg: V5Config):
+    return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
+
+
+def check_config(cfg: V5Config) -> None:
+    """Raise ValueError for knobs the kernels do not take."""
+    t = cfg.tile
+    if t & (t - 1) or not 256 <= t <= 16384:
+        raise ValueError(f"tile must be a power of two in [256, 16384], got {t}")
+    for name, nw in (("count_warps", cfg.count_warps), ("scatter_warps", cfg.scatter_warps)):
+        if nw not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {nw}")
+    if cfg.unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll must be 1, 2, 4 or 8, got {cfg.unroll}")
+    if cfg.scatter not in SCATTERS:
+        raise ValueError(f"scatter must be one of {SCATTERS}, got {cfg.scatter!r}")
+    if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
+        raise ValueError(
+            f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
+            f"of 32), got tile {t}, scatter_warps {cfg.scatter_warps}"
+        )
 
 
 def v5_supported(world_size: int, weights: Optional[torch.Tensor], cfg: V5Config) -> bool:
@@ -665,8 +864,9 @@ def compile_v5(
     )  # fmt: skip
     check_layout(count, [count_words * 4])
     bufs = buffer_words(scatter_smem_bytes(cfg, world_size), sw * 32)
+    check_config(cfg)
     scatter = build(
-        _v5_scatter_kernel,
+        _scatter_kernel(cfg),
         {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
          "out_values_ptr": vt, "perm_ptr": i64},
         {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": sw, "U": cfg.unroll,
@@ -691,14 +891,8 @@ def ranged_dispatch_v5(
     and results as `reference.ranged_dispatch` for the inputs `v5_supported` accepts."""
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     cfg = config or default_config_v5(world_size)
+    check_config(cfg)
     t = cfg.tile
-    if t & (t - 1) or not 256 <= t <= 16384:
-        raise ValueError(f"tile must be a power of two in [256, 16384], got {t}")
-    for name, nw in (("count_warps", cfg.count_warps), ("scatter_warps", cfg.scatter_warps)):
-        if nw not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {nw}")
-    if cfg.unroll not in (1, 2, 4, 8):
-        raise ValueError(f"unroll must be 1, 2, 4 or 8, got {cfg.unroll}")
     if not v5_supported(world_size, weights, cfg):
         raise ValueError(
             f"ranged_dispatch_v5 supports no weights, world_size <= {V5_MAX_WORLD} and "
@@ -762,7 +956,7 @@ def ranged_dispatch_v5(
     sw = cfg.scatter_warps
     bufs = buffer_words(scatter_smem_bytes(cfg, world_size), sw * 32)
     _launch(
-        _v5_scatter_kernel,
+        _scatter_kernel(cfg),
         (num_tiles,),
         (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
         {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "U": cfg.unroll, "B0": bufs[0],
