@@ -57,6 +57,15 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                               "scatter": "ranks"},
     "ranks_t8192_c8_s16_u8": {"tile": 8192, "count_warps": 8, "scatter_warps": 16, "unroll": 8,
                               "scatter": "ranks"},
+    # more resident warps per SM (session 27: 16-warp programs were 1.3x faster at W=512)
+    "v5_t2048_c4_s8_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 8, "unroll": 4},
+    "ranks_t2048_c4_s8_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 8, "unroll": 4,
+                             "scatter": "ranks"},
+    "v5_t4096_c8_s16_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 16, "unroll": 4},
+    "ranks_t4096_c8_s16_u2": {"tile": 4096, "count_warps": 8, "scatter_warps": 16, "unroll": 2,
+                              "scatter": "ranks"},
+    "ranks_t2048_c8_s16_u4": {"tile": 2048, "count_warps": 8, "scatter_warps": 16, "unroll": 4,
+                              "scatter": "ranks"},
 }  # fmt: skip
 
 
