@@ -164,6 +164,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--worlds", type=int, nargs="*", default=WORLDS)
     p.add_argument("--check-only", action="store_true")
     p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip step 1 (a timing sweep of code already checked; every timed call is "
+        "still compared with v4's output)",
+    )
+    p.add_argument(
         "--workloads", nargs="+", default=["large", "per_rank"], choices=["large", "per_rank"]
     )
     p.add_argument(
@@ -200,10 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return 1
         return 0
     g = torch.Generator(device="cuda").manual_seed(5)
-    bad = check(v5, g)
+    bad = 0 if args.no_check else check(v5, g)
     report: dict[str, Any] = figure_header("dispatch_v5", args.git_sha)
     report["command"] = "python benchmarks/dispatch_v5.py " + shlex.join(argv or sys.argv[1:])
-    report["check"] = {"mismatches": bad}
+    report["check"] = {"mismatches": "skipped (--no-check)" if args.no_check else bad}
     if bad or args.check_only:
         write_figure(args.out, report)
         return 1 if bad else 0
