@@ -66,6 +66,14 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                               "scatter": "ranks"},
     "ranks_t2048_c8_s16_u4": {"tile": 2048, "count_warps": 8, "scatter_warps": 16, "unroll": 4,
                               "scatter": "ranks"},
+    "ranks_t2048_c4_s8_u2": {"tile": 2048, "count_warps": 4, "scatter_warps": 8, "unroll": 2,
+                             "scatter": "ranks"},
+    "ranks_t4096_c8_s16_u1": {"tile": 4096, "count_warps": 8, "scatter_warps": 16, "unroll": 1,
+                              "scatter": "ranks"},
+    "ranks_t4096_c16_s16_u2": {"tile": 4096, "count_warps": 16, "scatter_warps": 16,
+                               "unroll": 2, "scatter": "ranks"},
+    "ranks_t4096_c4_s16_u2": {"tile": 4096, "count_warps": 4, "scatter_warps": 16, "unroll": 2,
+                              "scatter": "ranks"},
 }  # fmt: skip
 
 
