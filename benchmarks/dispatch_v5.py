@@ -117,6 +117,8 @@ def check(v5, g: torch.Generator) -> int:
                         v5.V5Config(tile=1024, count_warps=8, scatter_warps=4, unroll=8,
                                     scatter="ranks"),
                         v5.V5Config(scatter="ranks"),
+                        v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
+                                    scatter="ranks"),
                     ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue

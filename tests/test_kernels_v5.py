@@ -83,6 +83,20 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2)
 
 
+def test_default_configs_are_valid_at_every_world_size() -> None:
+    """`default_config_v5` gives a configuration the kernels take (`check_config`) and
+    whose staging fits (`v5_supported`) at every W v5 supports, with the measured
+    switch points."""
+    v5 = _v5()
+    for world in range(1, v5.V5_MAX_WORLD + 1):
+        cfg = v5.default_config_v5(world)
+        v5.check_config(cfg)
+        assert v5.v5_supported(world, None, cfg), world
+    assert v5.default_config_v5(31).scatter == "staged"
+    assert v5.default_config_v5(32).scatter == "ranks"
+    assert v5.default_config_v5(257).scatter_warps == 16
+
+
 def _run_fresh(tmp_path, code: str) -> dict:
     """Run `code` (a script printing one JSON line last) in a fresh Python process
     without TRITON_INTERPRET: compiling for sm_90 there is independent of the patches
@@ -112,6 +126,7 @@ def _run_fresh(tmp_path, code: str) -> dict:
         (7, 256, 8, 2, True, "int64", "ranks"),
         (1024, 4096, 8, 4, False, "int64", "ranks"),
         (4096, 2048, 4, 4, True, "int32", "ranks"),
+        (1023, 4096, 16, 2, False, "int64", "ranks"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(

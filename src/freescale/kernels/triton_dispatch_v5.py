@@ -290,6 +290,77 @@ def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
 
 
 @gluon.jit
+def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
+                 WTOT: gl.constexpr, WORLD: gl.constexpr, WROW: gl.constexpr,
+                 NW: gl.constexpr, CH: gl.constexpr, ET_EARLY: gl.constexpr):  # fmt: skip
+    """Step (b) of both scatter kernels. In: WC[w][d] = warp w's count of dest d (uint16,
+    rows of WROW >= WORLD entries, WROW a multiple of 4). Out: WC[w][d] = the tile slot
+    where warp w's first id of dest d goes (the tile-local start of d, an exclusive scan
+    over dests, plus the counts of warps before w), SHIFT[d] = et[t, d] minus that local
+    start (int64). Each lane owns 4 consecutive dests and moves them as one u64 of 4
+    packed uint16 (additions never carry between the fields: every start + count <=
+    TILE <= 16384), a quarter of the shared accesses of one dest per lane. The scan is
+    PTX shuffles within a warp plus the warps' totals through WTOT [NW] int32: no
+    Triton op here may need shared scratch (see `check_layout`). Ends with a barrier."""
+    QUADS: gl.constexpr = WROW // 4
+    zero = e * 0
+    carry = zero
+    for b in range(0, QUADS, CH):
+        q = b + e
+        qm = q < QUADS
+        qc = gl.where(qm, q, 0)
+        tot = zero.to(gl.int64)
+        for ww in gl.static_range(NW):
+            tot += _sh_ld64(WC + (ww * WROW + qc * 4) * 2)
+        tot = gl.where(qm, tot, 0)
+        c0 = (tot & 0xFFFF).to(gl.int32)
+        c1 = ((tot >> 16) & 0xFFFF).to(gl.int32)
+        c2 = ((tot >> 32) & 0xFFFF).to(gl.int32)
+        c3 = ((tot >> 48) & 0xFFFF).to(gl.int32)
+        quad = c0 + c1 + c2 + c3
+        incl = _warp_inclusive_scan(quad)
+        _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
+        gl.thread_barrier()
+        before = zero
+        chunk = zero
+        for ww in gl.static_range(NW):
+            wt = _sh_ld32(WTOT + ww * 4 + zero)
+            before += gl.where(w > ww, wt, 0)
+            chunk += wt
+        s0 = carry + before + incl - quad
+        carry += chunk
+        s1 = s0 + c0
+        s2 = s1 + c1
+        s3 = s2 + c2
+        run = (s0.to(gl.int64) | (s1.to(gl.int64) << 16) | (s2.to(gl.int64) << 32)
+               | (s3.to(gl.int64) << 48))  # fmt: skip
+        qmi = qm.to(gl.int32)
+        for ww in gl.static_range(NW):
+            a = WC + (ww * WROW + qc * 4) * 2
+            cw = _sh_ld64(a)
+            _sh_st64(a, run, qmi)
+            run += cw
+        for i in gl.static_range(4):
+            d = qc * 4 + i
+            dm = qm & (d < WORLD)
+            dc = gl.where(dm, d, 0)
+            if ET_EARLY:
+                base = _sh_ld64(SHIFT + dc * 8)
+            else:
+                base = gl.load(et_ptr + t * WORLD + dc, mask=dm, other=0).to(gl.int64)
+            if i == 0:
+                local_start = s0
+            elif i == 1:
+                local_start = s1
+            elif i == 2:
+                local_start = s2
+            else:
+                local_start = s3
+            _sh_st64(SHIFT + dc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
+        gl.thread_barrier()  # WTOT is rewritten by the next block; WC / SHIFT are read next
+
+
+@gluon.jit
 def _v5_count_kernel(
     values_ptr,
     block_sizes_ptr,
@@ -388,8 +459,9 @@ def _v5_scatter_kernel(
     CH: gl.constexpr = NW * 32
     VAL: gl.constexpr = 0
     SHIFT: gl.constexpr = VAL + TILE * 8
+    WROW: gl.constexpr = (WORLD + 3) // 4 * 4  # WC row stride: whole u64 quads
     WC: gl.constexpr = SHIFT + WORLD * 8
-    WC_WORDS: gl.constexpr = (NW * WORLD + 1) // 2
+    WC_WORDS: gl.constexpr = NW * WROW // 2
     DIN: gl.constexpr = WC + WC_WORDS * 4
     DSLOT: gl.constexpr = DIN + TILE * 2
     WTOT: gl.constexpr = DSLOT + TILE * 2
@@ -430,7 +502,7 @@ def _v5_scatter_kernel(
     # iteration (element e2 of the [CH * U] range: warp (e2 % CH) // 32, lane e2 % 32,
     # chunk e2 // CH), so each thread has U loads in flight.
     loc2 = ((e2 % CH) // 32) * sub + (e2 // CH) * 32 + e2 % 32
-    wrow2 = ((e2 % CH) // 32) * WORLD
+    wrow2 = ((e2 % CH) // 32) * WROW
     for c in range(0, sub, 32 * U):
         loc = loc2 + c
         m = loc < n_t
@@ -442,41 +514,8 @@ def _v5_scatter_kernel(
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
-    # (b) per dest: tile-local start (exclusive scan over dests), warp starts, shift.
-    # The scan is PTX shuffles within a warp plus the warps' totals through WTOT: no
-    # Triton op here may need shared scratch (see `check_layout`).
-    carry = zero
-    for b in range(0, WORLD, CH):
-        dd = b + e
-        dm = dd < WORLD
-        ddc = gl.where(dm, dd, 0)
-        tot = zero
-        for ww in gl.static_range(NW):
-            tot += _sh_ld16(WC + (ww * WORLD + ddc) * 2)
-        tot = gl.where(dm, tot, 0)
-        incl = _warp_inclusive_scan(tot)
-        _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
-        gl.thread_barrier()
-        before = zero
-        chunk = zero
-        for ww in gl.static_range(NW):
-            wt = _sh_ld32(WTOT + ww * 4 + zero)
-            before += gl.where(w > ww, wt, 0)
-            chunk += wt
-        local_start = carry + before + incl - tot
-        carry += chunk
-        run = local_start
-        for ww in gl.static_range(NW):
-            a = WC + (ww * WORLD + ddc) * 2
-            cw = _sh_ld16(a)
-            _sh_st16(a, run, dm.to(gl.int32))
-            run += cw
-        if ET_EARLY:
-            base = _sh_ld64(SHIFT + ddc * 8)
-        else:
-            base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
-        _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
-        gl.thread_barrier()  # WTOT is rewritten by the next block
+    # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY)
     # (c) stable slots, staging, perm; the ids are loaded two chunks ahead
     wloc = w * sub + lane
     ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < n_t, other=0).to(gl.int64)
@@ -499,7 +538,7 @@ def _v5_scatter_kernel(
         earlier = _popc(peers & below)
         last = (peers & above) == 0
         dc = gl.where(m, d, 0)
-        a = WC + (w * WORLD + dc) * 2
+        a = WC + (w * WROW + dc) * 2
         slot = _sh_ld16(a) + earlier
         sync = _warp_sync(slot)
         _sh_st16(a + sync, slot + 1, (m & last).to(gl.int32))
@@ -564,8 +603,9 @@ def _v5_scatter_ranks_kernel(
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
     SHIFT: gl.constexpr = VAL + TILE * 8
+    WROW: gl.constexpr = (WORLD + 3) // 4 * 4  # WC row stride: whole u64 quads
     WC: gl.constexpr = SHIFT + WORLD * 8
-    WC_WORDS: gl.constexpr = (NW * WORLD + 1) // 2
+    WC_WORDS: gl.constexpr = NW * WROW // 2
     DSLOT: gl.constexpr = WC + WC_WORDS * 4
     RNK: gl.constexpr = DSLOT + TILE * 2
     WTOT: gl.constexpr = RNK + TILE * 2
@@ -617,7 +657,7 @@ def _v5_scatter_ranks_kernel(
         earlier = _popc(peers & below)
         last = (peers & above) == 0
         dc = gl.where(m, d, 0)
-        a = WC + (w * WORLD + dc) * 2
+        a = WC + (w * WROW + dc) * 2
         rank = _sh_ld16(a) + earlier
         sync = _warp_sync(rank)
         _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
@@ -626,40 +666,8 @@ def _v5_scatter_ranks_kernel(
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
-    # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT (as the staged
-    # kernel's step b)
-    carry = zero
-    for b in range(0, WORLD, CH):
-        dd = b + e
-        dm = dd < WORLD
-        ddc = gl.where(dm, dd, 0)
-        tot = zero
-        for ww in gl.static_range(NW):
-            tot += _sh_ld16(WC + (ww * WORLD + ddc) * 2)
-        tot = gl.where(dm, tot, 0)
-        incl = _warp_inclusive_scan(tot)
-        _sh_st32(WTOT + w * 4, incl, (lane == 31).to(gl.int32))
-        gl.thread_barrier()
-        before = zero
-        chunk = zero
-        for ww in gl.static_range(NW):
-            wt = _sh_ld32(WTOT + ww * 4 + zero)
-            before += gl.where(w > ww, wt, 0)
-            chunk += wt
-        local_start = carry + before + incl - tot
-        carry += chunk
-        run = local_start
-        for ww in gl.static_range(NW):
-            a = WC + (ww * WORLD + ddc) * 2
-            cw = _sh_ld16(a)
-            _sh_st16(a, run, dm.to(gl.int32))
-            run += cw
-        if ET_EARLY:
-            base = _sh_ld64(SHIFT + ddc * 8)
-        else:
-            base = gl.load(et_ptr + t * WORLD + ddc, mask=dm, other=0).to(gl.int64)
-        _sh_st64(SHIFT + ddc * 8, base - local_start.to(gl.int64), dm.to(gl.int32))
-        gl.thread_barrier()
+    # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY)
     # (r2) every id in any order: the dest again (from the id), slot = the warp's start
     # for the dest + the rank; value staged at the slot, output position to perm
     for j0 in range(0, n_t, CH * U):
@@ -668,7 +676,7 @@ def _v5_scatter_ranks_kernel(
         locc = gl.where(m, loc, 0)
         ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         d = _owner_inv(ids, blk, inv, WORLD, MODULO)
-        slot = _sh_ld16(WC + ((locc // SUB) * WORLD + d) * 2) + _sh_ld16(RNK + locc * 2)
+        slot = _sh_ld16(WC + ((locc // SUB) * WROW + d) * 2) + _sh_ld16(RNK + locc * 2)
         if MODULO:
             local = ids // WORLD
         else:
@@ -729,11 +737,15 @@ class V5Config:
 
 def default_config_v5(world_size: int) -> V5Config:
     """The best of the configurations timed on one H200 at 2^26 ids
-    (`benchmarks/results/dispatch_v5*.json`): 2048-id tiles and 4 warps up to W = 64,
-    4096-id tiles and 8 warps above."""
-    if world_size <= 64:
+    (`benchmarks/results/dispatch_v5_sweep_*.json`, session 27): below W = 32 the staged
+    scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with 2048-id
+    tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles and 16
+    warps (8 counting), 2 ids per thread and pass."""
+    if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
-    return V5Config(tile=4096, count_warps=8, scatter_warps=8)
+    if world_size <= 256:
+        return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks")
+    return V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
 
 
 SCATTERS = ("staged", "ranks")
@@ -742,7 +754,7 @@ SCATTERS = ("staged", "ranks")
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4): per id
     12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest)."""
-    wc_words = (cfg.scatter_warps * world_size + 1) // 2
+    wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
     return cfg.tile * 12 + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
 
 
