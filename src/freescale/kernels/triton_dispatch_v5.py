@@ -1,18 +1,19 @@
 """Ranged dispatch "v5" (experimental, opt-in): v4's tables, scan and finish pass with
-its rank and scatter kernels replaced by two Gluon kernels that keep their per-tile
-state in shared memory.
+its rank and scatter kernels replaced by Gluon kernels that keep their per-tile state
+in shared memory.
 
-Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5`, `v5_supported`,
-`check_layout`, `compile_v5`, the two Gluon kernels and a plain Triton transpose
+Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5`, `check_config`,
+`v5_supported`, `check_layout`, `compile_v5`, the Gluon kernels (one count, two
+scatters) and a plain Triton transpose
 (`transpose_2d`). Same semantics and bits as `reference.ranged_dispatch` for inputs
 without weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200 by
 `benchmarks/dispatch_v5.py`, which exits 1 on a mismatch). Opt-in:
 ``FREESCALE_TRITON_DISPATCH=v5`` routes `kernels.ranged_dispatch` here where it can run
 (v4 otherwise); "auto" keeps v4. It answers a question measured on one H200: how close
 to the HBM floor a dispatch gets when its kernels may index shared memory (issue 3).
-Measured (`benchmarks/results/dispatch_v5.json`, BENCHMARKS.md "kernels"): at 2^26
-ids 0.257 of the floor at W = 1024 (v4 0.144) and 0.498 at W = 8 (v4 0.415); on one
-rank's ~1M ids its device time is at most v4's but its host time per call is higher.
+Measured (`benchmarks/results/dispatch_v5.json`, BENCHMARKS.md "kernels", session 27):
+at 2^26 ids 0.272 of the floor at W = 1024 (v4 0.141) and 0.520 at W = 8 (v4 0.400);
+on one rank's ~1M ids its host time per call is higher than v4's.
 
 Why: v4 (`triton_dispatch_v4.py`) is bound at W = 1024 by two costs that belong in
 shared memory (its module docstring and BENCHMARKS.md "kernels" have the counters):
@@ -41,6 +42,14 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   to a shared staging array at its slot and the output position to perm (input order,
   coalesced); (d) the staging array is written out in slot order, so consecutive lanes
   store consecutive addresses within each dest's run (tile / W ids long).
+* `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32):
+  (r1) each warp walks its sub-range in order and only ranks: match.any, its running
+  counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
+  any order, U per thread: dest again from the id, slot = the warp's start + rank,
+  staging, slot dest, perm; (d) as above. No count pass before the ordered loop, and
+  the ordered loop holds none of placement's random shared accesses.
+
+Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
 The output is the stable sort by dest of each tile (v4's definition), so positions
 equal v4's bit for bit. No atomics on global memory, one writer per output element.
@@ -290,6 +299,50 @@ def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
 
 
 @gluon.jit
+def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
+    """Tile t = this program: (t as int64, its first id, its id count, its key's block
+    size, 1 / block size as float32 for `_owner_inv`)."""
+    t = gl.program_id(0).to(gl.int64)
+    key = gl.load(tile_key_ptr + t)
+    start = gl.load(tile_start_ptr + t)
+    end = gl.load(tile_end_ptr + t)
+    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
+    return t, start, (end - start).to(gl.int32), blk, 1.0 / blk.to(gl.float32)
+
+
+@gluon.jit
+def _lane_masks(lane):
+    """Per lane, the bits of the lanes before it and of the lanes after it."""
+    one = gl.full(lane.shape, 1, gl.int32, lane.type.layout)
+    below = (one << lane) - 1
+    return below, ~(below | (one << lane))
+
+
+@gluon.jit
+def _zero_words(OFF: gl.constexpr, WORDS: gl.constexpr, e, CH: gl.constexpr):
+    """Zero WORDS int32 of shared memory from byte offset OFF, then a barrier."""
+    for b in range(0, WORDS, CH):
+        _sh_st32(OFF + (b + e) * 4, e * 0, ((b + e) < WORDS).to(gl.int32))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _write_staged(out_values_ptr, n_t, e2, VAL: gl.constexpr, DSLOT: gl.constexpr,
+                  SHIFT: gl.constexpr, STEP: gl.constexpr):  # fmt: skip
+    """Step (d) of both scatters: the staged values in slot order to
+    out[SHIFT[dest of the slot] + slot], STEP (= len(e2)) consecutive slots per pass."""
+    for j0 in range(0, n_t, STEP):
+        j = j0 + e2
+        m = j < n_t
+        jc = gl.where(m, j, 0)
+        v = _sh_ld64(VAL + jc * 8)
+        d = _sh_ld16(DSLOT + jc * 2)
+        shift = _sh_ld64(SHIFT + d * 8)
+        gl.store(out_values_ptr + shift + jc.to(gl.int64),
+                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+
+
+@gluon.jit
 def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
                  WTOT: gl.constexpr, WORLD: gl.constexpr, WROW: gl.constexpr,
                  NW: gl.constexpr, CH: gl.constexpr, ET_EARLY: gl.constexpr):  # fmt: skip
@@ -449,13 +502,14 @@ def _v5_scatter_kernel(
     B3: gl.constexpr,
 ):
     """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
-    reserved buffer): VAL [TILE] int64 staging, SHIFT [W] int64 (et[t, d] minus the
-    tile-local start of d), WC [NW][W] uint16 per-warp counters / running slots,
-    DIN [TILE] uint16 (dest of each input id), DSLOT [TILE] uint16 (dest of each slot),
-    WTOT [NW] int32 (the warps' totals in the scan of step b). The bytes are reserved
-    as up to four buffers of B0 > B1 > B2 > B3 words (powers of two, 0: none; the binary
-    digits of the size), which Triton's allocator lays out largest first, i.e. as one
-    contiguous range from offset 0 (`check_layout` checks it on each compiled variant)."""
+    reserved buffer): VAL [TILE] int64 staging; SHIFT [W] int64 (et[t, d] minus the
+    tile-local start of d); WC [NW][WROW] uint16 per-warp counters / running slots
+    (WROW: W rounded up to 4); DIN [TILE] uint16 (dest of each input id); DSLOT [TILE]
+    uint16 (dest of each slot); WTOT [NW] int32 (the warps' totals in the scan of step
+    b). The bytes are reserved as up to four buffers of B0 > B1 > B2 > B3 words (powers
+    of two, 0: none; the binary digits of the size), which Triton's allocator lays out
+    largest first, i.e. as one contiguous range from offset 0 (`check_layout` checks it
+    on each compiled variant)."""
     CH: gl.constexpr = NW * 32
     VAL: gl.constexpr = 0
     SHIFT: gl.constexpr = VAL + TILE * 8
@@ -473,21 +527,13 @@ def _v5_scatter_kernel(
         buf2 = _reserve(B2)
     if B3 > 0:
         buf3 = _reserve(B3)
-    t = gl.program_id(0).to(gl.int64)
-    key = gl.load(tile_key_ptr + t)
-    start = gl.load(tile_start_ptr + t)
-    end = gl.load(tile_end_ptr + t)
-    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
-    inv = 1.0 / blk.to(gl.float32)  # for _owner_inv
-    n_t = (end - start).to(gl.int32)
+    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                           block_sizes_ptr)  # fmt: skip
     sub = (n_t + CH * U - 1) // (CH * U) * (32 * U)  # ids per warp, a multiple of 32 U
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
     lane = e % 32
-    one = gl.full([CH], 1, gl.int32, layout)
-    below = (one << lane) - 1
-    above = ~(below | (one << lane))
-    zero = gl.zeros([CH], gl.int32, layout)
+    below, above = _lane_masks(lane)
 
     e2 = gl.arange(0, CH * U, layout=layout)
     # the tile's et row (output start of each dest), loaded now so that its latency
@@ -495,9 +541,7 @@ def _v5_scatter_kernel(
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
-    for b in range(0, WC_WORDS, CH):
-        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < WC_WORDS).to(gl.int32))
-    gl.thread_barrier()
+    _zero_words(WC, WC_WORDS, e, CH)
     # (a) per-warp counts; each id's dest kept in DIN. U chunks of 32 per warp and
     # iteration (element e2 of the [CH * U] range: warp (e2 % CH) // 32, lane e2 % 32,
     # chunk e2 // CH), so each thread has U loads in flight.
@@ -554,15 +598,7 @@ def _v5_scatter_kernel(
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    for j0 in range(0, n_t, CH * U):
-        j = j0 + e2
-        m = j < n_t
-        jc = gl.where(m, j, 0)
-        v = _sh_ld64(VAL + jc * 8)
-        d = _sh_ld16(DSLOT + jc * 2)
-        shift = _sh_ld64(SHIFT + d * 8)
-        gl.store(out_values_ptr + shift + jc.to(gl.int64),
-                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -594,11 +630,12 @@ def _v5_scatter_ranks_kernel(
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d): the only
     loop in input order per warp does just what stability needs; the random shared
-    accesses of placement run after it, U ids per thread at a time, in any order. Shared
-    layout (bytes): VAL [TILE] int64 staging; SHIFT [W] int64; WC [NW][W] uint16 per-warp
-    counters, then slot starts; DSLOT [TILE] uint16 (dest of each slot); RNK [TILE] uint16
-    (rank of each input id among its warp's ids of the same dest); WTOT [NW] int32.
-    Reserved as `_v5_scatter_kernel` does."""
+    accesses of placement run after it, U ids per thread at a time, in any order.
+    Shared layout (bytes): VAL [TILE] int64 staging; SHIFT [W] int64; WC [NW][WROW]
+    uint16 per-warp counters, then slot starts (WROW: W rounded up to 4); DSLOT [TILE]
+    uint16 (dest of each slot); RNK [TILE] uint16 (rank of each input id among its
+    warp's ids of the same dest); WTOT [NW] int32. Reserved as `_v5_scatter_kernel`
+    does."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -617,27 +654,17 @@ def _v5_scatter_ranks_kernel(
         buf2 = _reserve(B2)
     if B3 > 0:
         buf3 = _reserve(B3)
-    t = gl.program_id(0).to(gl.int64)
-    key = gl.load(tile_key_ptr + t)
-    start = gl.load(tile_start_ptr + t)
-    end = gl.load(tile_end_ptr + t)
-    blk = gl.load(block_sizes_ptr + key).to(gl.int64)
-    inv = 1.0 / blk.to(gl.float32)  # for _owner_inv
-    n_t = (end - start).to(gl.int32)
+    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                           block_sizes_ptr)  # fmt: skip
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
     lane = e % 32
-    one = gl.full([CH], 1, gl.int32, layout)
-    below = (one << lane) - 1
-    above = ~(below | (one << lane))
-    zero = gl.zeros([CH], gl.int32, layout)
+    below, above = _lane_masks(lane)
     e2 = gl.arange(0, CH * U, layout=layout)
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
-    for b in range(0, WC_WORDS, CH):
-        _sh_st32(WC + (b + e) * 4, zero, ((b + e) < WC_WORDS).to(gl.int32))
-    gl.thread_barrier()
+    _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
     wloc = w * SUB + lane
@@ -687,16 +714,8 @@ def _v5_scatter_ranks_kernel(
         shift = _sh_ld64(SHIFT + d * 8)
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
-    # (d) write the staged tile out in slot order (as the staged kernel's step d)
-    for j0 in range(0, n_t, CH * U):
-        j = j0 + e2
-        m = j < n_t
-        jc = gl.where(m, j, 0)
-        v = _sh_ld64(VAL + jc * 8)
-        d = _sh_ld16(DSLOT + jc * 2)
-        shift = _sh_ld64(SHIFT + d * 8)
-        gl.store(out_values_ptr + shift + jc.to(gl.int64),
-                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+    # (d) write the staged tile out in slot order, CH consecutive slots per store
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
