@@ -154,12 +154,13 @@ FUSED_TABLES_MAX_TILES = 2 * TABLE_BLOCK
 def _owner(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
     """Owner (int32) of int64 ids >= 0, `reference.owner_and_local`'s rule.
 
-    Block mode without a 64-bit division (a called subroutine of ~40 instructions per id,
-    measured in the SASS of v5's kernels): where ids < blk * WORLD the quotient
-    ids // blk is below WORLD < 2^15, and the float32 estimate ids * (1 / blk) is within
-    a relative 2^-20 of ids / blk, i.e. within 2^-5 of it: its floor is the quotient or
-    one off either way, which one exact int64 remainder fixes. Elsewhere the estimate is
-    clamped (no overflow in the conversion) and unused. `owner_exact` is the plain rule."""
+    Block mode without a 64-bit division (~40 instructions per id in the SASS of v5's
+    kernels, and a called subroutine where an operand exceeds 32 bits): where
+    ids < blk * WORLD the quotient ids // blk is below WORLD < 2^15, and the float32
+    estimate ids * (1 / blk) is within a relative 2^-20 of ids / blk, i.e. within 2^-5
+    of it: its floor is the quotient or one off either way, which one exact int64
+    remainder fixes. Elsewhere the estimate is clamped (no overflow in the conversion)
+    and unused. `owner_exact` is the plain rule."""
     return _owner_inv(ids, blk, 1.0 / blk.to(tl.float32), WORLD, MODULO)
 
 
