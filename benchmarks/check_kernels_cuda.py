@@ -2,8 +2,10 @@
 random CUDA inputs (compiled Triton, not the interpreter CI uses). Exit 1 on mismatch.
 Dispatch is checked for the sort-free kernel (default and small chunks), v1, v3 and v4
 (both lengths paths, the match.any and compare paths, both scatter orders, with weights)
-at W = 1, 2, 8, 64, 1024; the flex block mask's tables (`kernels/block_mask.py`); and the
-fused row-wise Adagrad update (`kernels/sparse_optim.py`).
+at W = 1, 2, 8, 64, 1024; what `ranged_dispatch` runs by default on calls past
+`ops.V5_MIN_IDS` ids (v5 where it can run) at W = 1, 8, 1024, 4096; the flex block
+mask's tables (`kernels/block_mask.py`); and the fused row-wise Adagrad update
+(`kernels/sparse_optim.py`).
 
     PYTHONPATH=src python benchmarks/check_kernels_cuda.py [--only sparse_optim]
 """
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     if only in (None, "dispatch"):
         bad += _check_index_kernels(g)
+        bad += _check_auto_large(g)
     if only in (None, "block_mask"):
         bad += _check_block_mask(g)
     if only in (None, "sparse_optim"):
@@ -167,6 +170,37 @@ def _check_index_kernels(g: torch.Generator) -> int:
                 if not all(torch.equal(p, q) for p, q in zip(x, y) if torch.is_tensor(p)):
                     print(f"MISMATCH keyed_transpose w={w} {dt}")
                     bad += 1
+    return bad
+
+
+def _check_auto_large(g: torch.Generator) -> int:
+    """`ranged_dispatch`'s default ("auto") on calls of `ops.V5_MIN_IDS` ids and more,
+    where it runs v5 on sm_90 (v4 elsewhere): against the reference, int32 and int64,
+    block and modulo, and the kernel it ran (`ops.triton_dispatch_kernel`)."""
+    from freescale.kernels import ops
+
+    bad = 0
+    for w in (1, 8, 1024, 4096):
+        for dt in (torch.int32, torch.int64):
+            k, b = 4, 1 + ops.V5_MIN_IDS // (4 * 64)
+            lengths = torch.randint(0, 129, (k * b,), device="cuda", generator=g).to(dt)
+            rows = torch.tensor([1 << 20, 4099 * w + 7, 37, 1 << 24], device="cuda")
+            blocks = (rows + w - 1) // w
+            key = torch.repeat_interleave(torch.arange(k, device="cuda"), b)
+            seg_rows = torch.repeat_interleave(rows[key], lengths.long())
+            vals = torch.rand(seg_rows.numel(), device="cuda", generator=g) * seg_rows
+            vals = vals.long().to(dt)
+            kernel = ops.triton_dispatch_kernel(vals, w)
+            print(f"auto at {vals.numel()} ids W={w} {dt}: {kernel}")
+            for mode in ("block", "modulo"):
+                args = (vals, lengths, blocks.to(dt), w)
+                r = ranged_dispatch(*args, mode=mode, backend="reference")
+                t = ranged_dispatch(*args, mode=mode, backend="triton")
+                for f in ("values", "lengths", "splits", "key_counts", "unbucketize_permute"):
+                    if not torch.equal(getattr(r, f), getattr(t, f)):
+                        print(f"MISMATCH ranged_dispatch[auto {kernel}] w={w} {dt} {mode} {f}")
+                        bad += 1
+            del vals, lengths, seg_rows, r, t
     return bad
 
 

@@ -394,10 +394,10 @@ def test_env_var_routes_the_dispatcher_to_v4(gen, monkeypatch, world_size, mode)
 
 
 def test_v5_request_runs_v4_where_v5_cannot(gen, monkeypatch):
-    """``FREESCALE_TRITON_DISPATCH=v5`` (the opt-in Gluon dispatch, GPU only): in the
-    interpreter, with weights, or past W = 4096 the call runs v4 (same bits as the
-    reference); on a compiled CUDA call v5 is chosen (decided from the device, no GPU
-    needed for the choice)."""
+    """``FREESCALE_TRITON_DISPATCH=v5`` (the Gluon dispatch, GPU only): in the
+    interpreter, with weights, past W = 4096 or on a GPU other than sm_90 the call runs v4
+    (same bits as the reference); on a compiled sm_90 CUDA call v5 is chosen (decided
+    from the device, no GPU needed for the choice)."""
     import importlib
     import types
 
@@ -419,7 +419,13 @@ def test_v5_request_runs_v4_where_v5_cannot(gen, monkeypatch):
     assert_dispatch_equal(reference.ranged_dispatch(*args, weights=case.weights), got, "v5->v4")
     cuda_call = types.SimpleNamespace(device=torch.device("cuda"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(ops, "_cuda_capability", lambda device: (9, 0))
     assert ops._v5_runs(cuda_call, 1024, None)
+    assert ops._v5_runs(cuda_call, ops.V5_MAX_WORLD, None)
+    for other in ((8, 0), (10, 0), (12, 0)):  # not the H100/H200 it was checked on
+        monkeypatch.setattr(ops, "_cuda_capability", lambda device, c=other: c)
+        assert not ops._v5_runs(cuda_call, 1024, None), other
+    monkeypatch.setattr(ops, "_cuda_capability", lambda device: (9, 0))
     assert not ops._v5_runs(cuda_call, 1024, torch.ones(1))  # weights
     assert not ops._v5_runs(cuda_call, 5000, None)  # W > 4096
     assert not ops._v5_runs(case.values, 8, None)  # CPU
@@ -457,6 +463,49 @@ def test_auto_dispatches_large_calls_with_v4(gen, monkeypatch):
     assert ops.triton_dispatch_version(1 << 40) == "v3"  # an explicit choice wins
 
 
+def test_auto_asks_for_v5_on_large_calls(gen, monkeypatch):
+    """ "auto" asks for v5 from `ops.V5_MIN_IDS` ids (lowered to this input's size here):
+    on a compiled sm_90 CUDA call `ranged_dispatch` runs v5 (the call is intercepted: no
+    GPU here), in the interpreter v4 runs; a weighted call stays on v4. Results equal
+    the reference on every path that runs."""
+    import importlib
+
+    from freescale.kernels import ops, ranged_dispatch
+
+    v5 = importlib.import_module("freescale.kernels.triton_dispatch_v5")
+    assert ops.V5_MAX_WORLD == v5.V5_MAX_WORLD
+    monkeypatch.delenv("FREESCALE_TRITON_DISPATCH", raising=False)
+    case = random_dispatch_case(gen, 8, max_batch=6, max_len=40, with_weights=True)
+    args = (case.values, case.lengths, case.block_sizes, 8)
+    n = case.values.numel()
+    monkeypatch.setattr(ops, "V5_MIN_IDS", n)
+    assert ops.triton_dispatch_version(n, 8) == "v5"
+    calls: list[str] = []
+    v4 = _v4()
+    real_v4 = v4.ranged_dispatch_v4
+    monkeypatch.setattr(
+        v4, "ranged_dispatch_v4", lambda *a, **k: calls.append("v4") or real_v4(*a, **k)
+    )
+    ref = reference.ranged_dispatch(*args)
+    assert_dispatch_equal(ref, ranged_dispatch(*args, backend="triton"), "auto v5 -> v4")
+    assert calls == ["v4"], calls  # the interpreter: v5 cannot run, v4 did
+    ref_w = reference.ranged_dispatch(*args, weights=case.weights)
+    got_w = ranged_dispatch(*args, weights=case.weights, backend="triton")
+    assert_dispatch_equal(ref_w, got_w, "auto weighted")
+    assert calls == ["v4", "v4"], calls
+    # a compiled sm_90 call: v5 is what runs (intercepted before it would need a GPU)
+    monkeypatch.setattr(ops, "_v5_runs", lambda values, world, weights: weights is None)
+    monkeypatch.setattr(
+        v5, "ranged_dispatch_v5", lambda *a, **k: calls.append("v5") or real_v4(*a, **k)
+    )
+    ranged_dispatch(*args, backend="triton")
+    assert calls[-1] == "v5", calls
+    ranged_dispatch(*args, weights=case.weights, backend="triton")
+    assert calls[-1] == "v4", calls
+    ranged_dispatch(*args[:3], ops.V5_MAX_WORLD + 1, backend="triton")
+    assert calls[-1] == "v4", calls
+
+
 def test_match_path_only_where_it_compiles(monkeypatch):
     """`V4Config.peers`: the PTX path is chosen only for compiled kernels on an NVIDIA
     device with 32-id chunks; the interpreter (also with CUDA tensors) compares; asking
@@ -482,8 +531,9 @@ def test_dispatch_version_rule(monkeypatch):
     size, else v3; an explicit version is obeyed; anything else is an error."""
     from freescale.kernels import ops
 
-    big = ops.V4_MIN_IDS
+    big, huge = ops.V4_MIN_IDS, ops.V5_MIN_IDS
     assert ops.V4_MAX_WORLD == _v4().MAX_WORLD
+    assert big < huge
     for value in (None, "", "auto"):
         if value is None:
             monkeypatch.delenv("FREESCALE_TRITON_DISPATCH", raising=False)
@@ -493,6 +543,13 @@ def test_dispatch_version_rule(monkeypatch):
         assert ops.triton_dispatch_version(big, 8) == "v4"
         assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD) == "v4"
         assert ops.triton_dispatch_version(big, ops.V4_MAX_WORLD + 1) == "v3"
+        # v5 from V5_MIN_IDS on unweighted calls it can take; v4 / v3 otherwise
+        assert ops.triton_dispatch_version(huge - 1, 8) == "v4"
+        assert ops.triton_dispatch_version(huge, 8) == "v5"
+        assert ops.triton_dispatch_version(huge, ops.V5_MAX_WORLD) == "v5"
+        assert ops.triton_dispatch_version(huge, 8, weighted=True) == "v4"
+        assert ops.triton_dispatch_version(huge, ops.V5_MAX_WORLD + 1) == "v4"
+        assert ops.triton_dispatch_version(huge, ops.V4_MAX_WORLD + 1) == "v3"
     for forced in ("v1", "v2", "v3", "v4", "v5"):
         monkeypatch.setenv("FREESCALE_TRITON_DISPATCH", forced)
         assert ops.triton_dispatch_version(5, 2) == forced

@@ -28,32 +28,69 @@ DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4", "v5")
 # took 0.33-0.51x v3's time at ~1M ids for W = 8..1024, with as many or fewer launches.
 V4_MIN_IDS = 1
 V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
+# ... and with v5 (the Gluon shared-memory dispatch) from this many ids per unweighted
+# call where v5 can run (compiled CUDA, W <= V5_MAX_WORLD; v4 runs the other calls, the
+# same bits). Measured at 431f902 (benchmarks/results/dispatch_v5.json): at 2^26 ids v5
+# took 0.42-0.77x v4's time at W = 8..1024; at one rank's ~1M ids its device time was
+# lower too, but its do_bench time 1.15-1.30x v4's at W = 8, 32, 128, 1024 (0.93x at
+# 512): more host work per call (count, transpose and the Gluon launches). The crossover rows of
+# benchmarks/results/kernels.json time v4 and v5 between 2^20 and 2^25 ids.
+V5_MIN_IDS = 1 << 22
+V5_MAX_WORLD = 4096  # triton_dispatch_v5.V5_MAX_WORLD
 
 
-def triton_dispatch_version(num_ids: int, world_size: int = 1) -> str:
+def triton_dispatch_version(num_ids: int, world_size: int = 1, *, weighted: bool = False) -> str:
     """The Triton dispatch kernel `ranged_dispatch` runs for a call with ``num_ids`` ids
     to ``world_size`` owners: ``$FREESCALE_TRITON_DISPATCH`` (v1, v2, v3, v4, v5) if set
-    to one, else ("auto", also when unset or empty) v4 from `V4_MIN_IDS` ids and v3 below
-    or where v4 cannot run (world sizes above its `MAX_WORLD`, 32767). v5 (opt-in, the
-    Gluon shared-memory dispatch) runs where `triton_dispatch_v5.v5_supported` holds on
-    a compiled CUDA call; `ranged_dispatch` runs v4 for the other calls."""
+    to one, else ("auto", also when unset or empty) v5 from `V5_MIN_IDS` ids on an
+    unweighted call with ``world_size <= V5_MAX_WORLD``, v4 from `V4_MIN_IDS` ids and v3
+    below or where v4 cannot run (world sizes above its `MAX_WORLD`, 32767). v5 (the
+    Gluon shared-memory dispatch) runs where `triton_dispatch_v5.v5_supported` holds on a
+    compiled call on an sm_90 CUDA device (`V5_CAPABILITY`); `ranged_dispatch` runs v4
+    for the other calls (the interpreter, CPU tensors, ROCm, other GPUs): the same bits."""
     version = os.environ.get(DISPATCH_ENV_VAR, "auto") or "auto"
     if version not in DISPATCH_VERSIONS:
         raise ValueError(f"${DISPATCH_ENV_VAR}={version!r} is not one of {DISPATCH_VERSIONS}")
     if version == "auto":
+        if num_ids >= V5_MIN_IDS and world_size <= V5_MAX_WORLD and not weighted:
+            return "v5"
         return "v4" if num_ids >= V4_MIN_IDS and world_size <= V4_MAX_WORLD else "v3"
     return version
 
 
+V5_CAPABILITY = (9, 0)  # v5's shared-memory budget (SMEM_LIMIT) and checks: H100/H200
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _v5_runs(values: torch.Tensor, world_size: int, weights: Optional[torch.Tensor]) -> bool:
-    """Whether dispatch v5 can run this call: compiled (not interpreted) on CUDA, inputs
-    it supports (`triton_dispatch_v5.v5_supported` with its default config)."""
+    """Whether dispatch v5 can run this call: compiled (not interpreted) on an sm_90 CUDA
+    device (the one it was checked and tuned on; its staging sizes assume 227 KiB of
+    shared memory per program), inputs it supports (`triton_dispatch_v5.v5_supported`
+    with its default config)."""
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if values.device.type != "cuda" or interpreted or torch.version.hip is not None:
+        return False
+    if _cuda_capability(values.device) != V5_CAPABILITY:
         return False
     from freescale.kernels.triton_dispatch_v5 import default_config_v5, v5_supported
 
     return v5_supported(world_size, weights, default_config_v5(world_size))
+
+
+def triton_dispatch_kernel(
+    values: torch.Tensor, world_size: int, weights: Optional[torch.Tensor] = None
+) -> str:
+    """The dispatch kernel the Triton backend of `ranged_dispatch` runs for this call:
+    `triton_dispatch_version`'s, except v4 where v5 was asked for and cannot run
+    (`_v5_runs`: weights, W > 4096, not sm_90, CPU tensors, the interpreter; same bits)."""
+    weighted = weights is not None
+    version = triton_dispatch_version(values.numel(), world_size, weighted=weighted)
+    if version == "v5" and not _v5_runs(values, world_size, weights):
+        return "v4"
+    return version
 
 
 def _backend_module(backend: Backend, device: torch.device) -> ModuleType:
@@ -86,13 +123,11 @@ def ranged_dispatch(
     Ids must be non-negative (not checked). See `DispatchResult` for the outputs.
     """
     impl = _backend_module(backend, values.device)
-    version = triton_dispatch_version(values.numel(), world_size)
+    version = triton_dispatch_kernel(values, world_size, weights)
     if impl.__name__.endswith("triton_impl") and version == "v5":
-        if _v5_runs(values, world_size, weights):
-            from freescale.kernels.triton_dispatch_v5 import ranged_dispatch_v5
+        from freescale.kernels.triton_dispatch_v5 import ranged_dispatch_v5
 
-            return ranged_dispatch_v5(values, lengths, block_sizes, world_size, mode=mode)
-        version = "v4"  # weights, W > 4096, CPU or the interpreter: v4, the same bits
+        return ranged_dispatch_v5(values, lengths, block_sizes, world_size, mode=mode)
     if impl.__name__.endswith("triton_impl") and version == "v4":
         # triton_dispatch_v4: no tile sort; bitwise equal to v3 and the reference on the
         # H200 at W = 1..1024 (benchmarks/check_kernels_cuda.py, benchmarks/kernels.py)
