@@ -48,7 +48,8 @@ def _v4_tables(args, mode: str, table_block: int, fused_max: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("dispatch", "block_mask", "sparse_optim"), default=None,
+    p.add_argument("--only", choices=("dispatch", "auto", "block_mask", "sparse_optim"),
+                   default=None,
                    help="run one group of checks (default: all)")  # fmt: skip
     only = p.parse_args(argv).only
     assert torch.cuda.is_available(), "needs CUDA"
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     if only in (None, "dispatch"):
         bad += _check_index_kernels(g)
+    if only in (None, "dispatch", "auto"):
         bad += _check_auto_large(g)
     if only in (None, "block_mask"):
         bad += _check_block_mask(g)
@@ -182,7 +184,7 @@ def _check_auto_large(g: torch.Generator) -> int:
     bad = 0
     for w in (1, 8, 1024, 4096):
         for dt in (torch.int32, torch.int64):
-            k, b = 4, 1 + ops.V5_MIN_IDS // (4 * 64)
+            k, b = 4, ops.V5_MIN_IDS // (4 * 64) * 9 // 8  # ~1.1x the threshold
             lengths = torch.randint(0, 129, (k * b,), device="cuda", generator=g).to(dt)
             rows = torch.tensor([1 << 20, 4099 * w + 7, 37, 1 << 24], device="cuda")
             blocks = (rows + w - 1) // w
@@ -191,7 +193,11 @@ def _check_auto_large(g: torch.Generator) -> int:
             vals = torch.rand(seg_rows.numel(), device="cuda", generator=g) * seg_rows
             vals = vals.long().to(dt)
             kernel = ops.triton_dispatch_kernel(vals, w)
-            print(f"auto at {vals.numel()} ids W={w} {dt}: {kernel}")
+            print(f"auto at {vals.numel()} ids W={w} {dt}: {kernel}", flush=True)
+            sm90 = torch.cuda.get_device_capability() == ops.V5_CAPABILITY
+            if sm90 and w <= ops.V5_MAX_WORLD and kernel != "v5":
+                print(f"MISMATCH auto ran {kernel}, not v5, at {vals.numel()} ids W={w}")
+                bad += 1
             for mode in ("block", "modulo"):
                 args = (vals, lengths, blocks.to(dt), w)
                 r = ranged_dispatch(*args, mode=mode, backend="reference")

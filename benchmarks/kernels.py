@@ -13,11 +13,12 @@ tile-sort kernel, "triton_v3" the tile sort with the dest-major scan, "triton_v4
 large-tile kernel of `triton_dispatch_v4.py` (checked bitwise against v3 as well as the
 reference before it is timed), "triton_v5" the Gluon shared-memory kernels of
 `triton_dispatch_v5.py` (compiled CUDA only; checked the same way), "triton_auto" what
-`kernels.ranged_dispatch` runs for that many ids (v5 from `ops.V5_MIN_IDS` = 2^22 ids on
+`kernels.ranged_dispatch` runs for that many ids (v5 from `ops.V5_MIN_IDS` = 2^25 ids on
 sm_90, v4 from `ops.V4_MIN_IDS` = 1 id, v3 for W > 32767; the row's `auto_version`, and
 for one rank's batch its host enqueue and device time apart, `*_host_ms` and
 `*_device_ms`, next to v3's: that call is bound by the host's work); plus crossover
-rows, v3, v4 and v5 over 2^20..2^25 ids at W = 8, 128, 1024), ranged_combine (+ backward,
+rows, v3, v4 and v5 over 2^20..2^25 ids at W = 8, 128, 1024, with v4's and v5's host
+and device time apart), ranged_combine (+ backward,
 D=128 bf16 rows), keyed_transpose of the dispatch output ([W][K][B] -> [K][W][B]) and
 indexed_permute (a sample shuffle; its cost does not depend on W, so it is timed once per
 workload).
@@ -489,6 +490,8 @@ class Runner:
                 row["speedup_v4_vs_v3"] = row["triton_v3_ms"] / row["triton_v4_ms"]
                 if "triton_v5_ms" in row:
                     row["speedup_v5_vs_v4"] = row["triton_v4_ms"] / row["triton_v5_ms"]
+                if self.device.type == "cuda":  # host-bound below ~2^25 ids?
+                    self.host_and_device(row, fns, tuple(k for k in fns if k != "triton_v3"))
                 self.rows.append(row)
                 print(json.dumps(row), flush=True)
             del wl

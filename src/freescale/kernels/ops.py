@@ -29,13 +29,13 @@ DISPATCH_VERSIONS = ("auto", "v1", "v2", "v3", "v4", "v5")
 V4_MIN_IDS = 1
 V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
 # ... and with v5 (the Gluon shared-memory dispatch) from this many ids per unweighted
-# call where v5 can run (compiled CUDA, W <= V5_MAX_WORLD; v4 runs the other calls, the
-# same bits). Measured at 431f902 (benchmarks/results/dispatch_v5.json): at 2^26 ids v5
-# took 0.42-0.77x v4's time at W = 8..1024; at one rank's ~1M ids its device time was
-# lower too, but its do_bench time 1.15-1.30x v4's at W = 8, 32, 128, 1024 (0.93x at
-# 512): more host work per call (count, transpose and the Gluon launches). The crossover rows of
-# benchmarks/results/kernels.json time v4 and v5 between 2^20 and 2^25 ids.
-V5_MIN_IDS = 1 << 22
+# call where v5 can run (compiled sm_90 CUDA, W <= V5_MAX_WORLD; v4 runs the other calls,
+# the same bits). Measured on one H200 (benchmarks/results/kernels.json at 1dafde3,
+# do_bench; v4 time / v5 time): at 2^26 ids 1.30x (W = 8) to 1.92x (W = 1024); crossover
+# rows at W = 8 / 128 / 1024: 2^25 ids 1.26 / 2.12 / 2.00, 2^24 0.84 / 1.07 / 2.09,
+# 2^23 0.92 / 1.45 / 1.21, 2^22 0.30 / 0.82 / 0.51, below 0.79-0.95. So v5 from 2^25,
+# where it led at every W measured.
+V5_MIN_IDS = 1 << 25
 V5_MAX_WORLD = 4096  # triton_dispatch_v5.V5_MAX_WORLD
 
 
