@@ -128,6 +128,20 @@ def test_dispatch_reference_matches_oracle(gen, mode):
         assert torch.equal(got.key_counts.sum(1), got.splits), ctx
 
 
+def test_dispatch_reference_counts_past_bincount_limit(gen, monkeypatch):
+    """Past `reference.BINCOUNT_MAX_BINS` output segments (W x segments; torch.bincount
+    crashed on CUDA at 2.4e9 bins) the reference counts with index_put_: the same
+    lengths, splits and key counts as the oracle (limit lowered to 0 here)."""
+    monkeypatch.setattr(reference, "BINCOUNT_MAX_BINS", 0)
+    for i in range(12):
+        world = WORLD_SIZES[i % len(WORLD_SIZES)]
+        case = random_dispatch_case(gen, world, **_dtypes(i))
+        got = reference.ranged_dispatch(case.values, case.lengths, case.block_sizes, world)
+        _, lengths, _ = oracle_dispatch(case.values, case.lengths, case.block_sizes, world, "block")
+        assert got.lengths.tolist() == lengths, case.describe()
+        assert torch.equal(got.splits, got.lengths.view(world, -1).sum(1).to(torch.int64))
+
+
 @pytest.mark.parametrize("impl", [vectorized, naive], ids=["vectorized", "naive"])
 @pytest.mark.parametrize("mode", ["block", "modulo"])
 def test_dispatch_baselines_match_reference(gen, impl, mode):

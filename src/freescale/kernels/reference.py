@@ -88,6 +88,20 @@ def segment_ids(lengths: torch.Tensor, num_values: int) -> torch.Tensor:
     return torch.repeat_interleave(segments, lengths.to(torch.int64), output_size=num_values)
 
 
+# torch.bincount on CUDA hit an illegal memory access with 2.4e9 bins (H200, torch 2.11:
+# W = 4096 x 589,824 segments; 2^31 + 16,384 bins still ran); above this many bins the
+# counts come from an integer index_put_ (exact, so the same bits)
+BINCOUNT_MAX_BINS = (1 << 31) - 1
+
+
+def _count_buckets(bucket: torch.Tensor, bins: int) -> torch.Tensor:
+    """int64 (bins,): how many entries of `bucket` hold each value in [0, bins)."""
+    if bins <= BINCOUNT_MAX_BINS:
+        return torch.bincount(bucket, minlength=bins)
+    counts = torch.zeros(bins, dtype=torch.int64, device=bucket.device)
+    return counts.index_put_((bucket,), torch.ones_like(bucket), accumulate=True)
+
+
 def ranged_dispatch(
     values: torch.Tensor,
     lengths: torch.Tensor,
@@ -113,7 +127,7 @@ def ranged_dispatch(
     # Output segment ("bucket") of every id: [dest][key][sample] flattened.
     bucket = owner * nseg + seg
     order = torch.sort(bucket, stable=True).indices  # output position -> input position
-    new_lengths = torch.bincount(bucket, minlength=world_size * nseg)
+    new_lengths = _count_buckets(bucket, world_size * nseg)
     unbucketize_permute = torch.empty(n, dtype=torch.int64, device=dev)
     unbucketize_permute[order] = torch.arange(n, device=dev)
     return DispatchResult(
