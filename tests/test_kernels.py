@@ -481,6 +481,36 @@ def test_transpose_backends_match_reference(gen, backend):
         assert torch.equal(again[0], lengths) and torch.equal(again[1], values)
 
 
+def test_triton_block_plan_over_several_iterations(gen, monkeypatch):
+    """The Triton permute / transpose plan their blocks in one program that scans
+    `_PLAN_BLOCK` entries per iteration; lowered to 16 here, larger inputs carry the
+    scans across iterations: results still equal the reference (int32 and int64)."""
+    if not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
+        pytest.skip("triton interpreter unavailable")
+    from freescale.kernels import triton_impl
+
+    monkeypatch.setattr(triton_impl, "_PLAN_BLOCK", 16)
+    for i in range(6):
+        dtypes = _dtypes(i)
+        permute, lengths, values, weights = random_permute_case(
+            gen, max_rows=40, max_batch=7, max_len=9, **dtypes
+        )
+        expected = reference.indexed_permute(permute, lengths, values, weights)
+        actual = indexed_permute(permute, lengths, values, weights, backend="triton")
+        for e, a in zip(expected, actual):
+            assert e.dtype == a.dtype and torch.equal(e, a), i
+        dt = INDEX_DTYPES[i % 2]
+        world, keys, batch = (int(x) for x in torch.randint(3, 9, (3,), generator=gen))
+        tl = torch.randint(0, 6, (world, keys, batch), generator=gen).to(dt)
+        tv, tw = torch.randint(0, 1000, (int(tl.sum()),), generator=gen), None
+        if i % 2:
+            tw = torch.rand(tv.numel(), generator=gen)
+        expected = reference.keyed_transpose(tl, tv, tw)
+        actual = keyed_transpose(tl, tv, tw, backend="triton")
+        for e, a in zip(expected, actual):
+            assert (e is None and a is None) or (e.dtype == a.dtype and torch.equal(e, a)), i
+
+
 # ----------------------------------------------------------------- backend selection
 
 

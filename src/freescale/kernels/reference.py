@@ -88,9 +88,10 @@ def segment_ids(lengths: torch.Tensor, num_values: int) -> torch.Tensor:
     return torch.repeat_interleave(segments, lengths.to(torch.int64), output_size=num_values)
 
 
-# torch.bincount on CUDA hit an illegal memory access with 2.4e9 bins (H200, torch 2.11:
-# W = 4096 x 589,824 segments; 2^31 + 16,384 bins still ran); above this many bins the
-# counts come from an integer index_put_ (exact, so the same bits)
+# torch.bincount on CUDA wraps a value above INT_MAX to a negative bin (pytorch/pytorch
+# issue 189666): an illegal memory access on the H200 at W = 4096 x 589,824 segments
+# (torch 2.11; benchmarks/results/verify_kernels_auto_*.log). Above this many bins the
+# counts come from an integer index_put_ (exact, so the same bits; checked there)
 BINCOUNT_MAX_BINS = (1 << 31) - 1
 
 

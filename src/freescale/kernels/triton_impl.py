@@ -23,7 +23,13 @@ import triton
 import triton.language as tl
 
 from freescale.kernels import reference
-from freescale.kernels.common import DispatchResult, cdiv, check_dispatch_inputs, next_power_of_2
+from freescale.kernels.common import (
+    DispatchResult,
+    cdiv,
+    check_dispatch_inputs,
+    check_permutation_args,
+    next_power_of_2,
+)
 from freescale.kernels.reference import exclusive_cumsum
 
 # ---------------------------------------------------------------------------------------
@@ -855,6 +861,101 @@ def gather_blocks(
     return out
 
 
+# values per plan-loop iteration (a test lowers it to run several iterations)
+_PLAN_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_blocks", "n_out", "rows_per_block", "num_a"])
+def _block_plan_kernel(
+    lengths_ptr,
+    permute_ptr,
+    value_offsets_ptr,
+    starts_ptr,
+    out_offsets_ptr,
+    n_rows,
+    n_blocks,
+    n_out,
+    rows_per_block,
+    num_a,
+    TRANSPOSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program plans a block gather (what `reference._permute_value_blocks` computes
+    with ~10 small torch ops): input block q holds rows [q * rows_per_block, (q + 1) *
+    rows_per_block) of `lengths`; output block j is input block q(j); writes starts[j]
+    (q(j)'s first value) and out_offsets (n_out + 1 entries: the exclusive scan of the
+    output blocks' value counts). q(j) = permute[j] (indexed_permute), or with TRANSPOSE
+    q(j) = (j % num_a) * (n_blocks // num_a) + j // num_a ([a][c] -> [c][a])."""
+    offs = tl.arange(0, BLOCK)
+    # value_offsets = exclusive scan of lengths (n_rows + 1 entries)
+    carry = tl.zeros([], dtype=tl.int64)
+    tl.store(value_offsets_ptr, carry)
+    base = 0
+    while base < n_rows:  # `while`: the interpreter cannot range() over arguments
+        idx = base + offs
+        x = tl.load(lengths_ptr + idx, mask=idx < n_rows, other=0).to(tl.int64)
+        tl.store(value_offsets_ptr + idx + 1, tl.cumsum(x, 0) + carry, mask=idx < n_rows)
+        carry += tl.sum(x, 0)
+        base += BLOCK
+    tl.debug_barrier()  # the scan above is read back at random below
+    carry = tl.zeros([], dtype=tl.int64)
+    tl.store(out_offsets_ptr, carry)
+    base = 0
+    while base < n_out:
+        j = base + offs
+        m = j < n_out
+        if TRANSPOSE:
+            jj = j.to(tl.int64)
+            q = (jj % num_a) * (n_blocks // num_a) + jj // num_a
+        else:
+            q = tl.load(permute_ptr + j, mask=m, other=0).to(tl.int64)
+        r0 = q * rows_per_block
+        start = tl.load(value_offsets_ptr + r0, mask=m, other=0)
+        size = tl.load(value_offsets_ptr + r0 + rows_per_block, mask=m, other=0) - start
+        tl.store(starts_ptr + j, start, mask=m)
+        tl.store(out_offsets_ptr + j + 1, tl.cumsum(size, 0) + carry, mask=m)
+        carry += tl.sum(size, 0)
+        base += BLOCK
+
+
+def _block_plan(
+    lengths: torch.Tensor,
+    n_out: int,
+    rows_per_block: int,
+    *,
+    permute: Optional[torch.Tensor] = None,
+    num_a: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts (n_out,), out_offsets (n_out + 1,)) int64 of a gather of value blocks of
+    `rows_per_block` rows of flat `lengths` each, in the order `permute` or (without it)
+    [a][c] -> [c][a] with `num_a` a's: one launch (`_block_plan_kernel`)."""
+    n_rows = lengths.numel()
+    sizes = (n_rows + 1, n_out, n_out + 1)
+    value_offsets, starts, out_offsets = torch.empty(
+        sum(sizes), dtype=torch.int64, device=lengths.device
+    ).split(sizes)
+    _block_plan_kernel[(1,)](
+        lengths, value_offsets if permute is None else permute, value_offsets, starts,
+        out_offsets, n_rows, n_rows // max(rows_per_block, 1), n_out, rows_per_block,
+        max(num_a, 1), TRANSPOSE=permute is None, BLOCK=_PLAN_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return starts, out_offsets
+
+
+def _gather_planned(
+    x: torch.Tensor, starts: torch.Tensor, out_offsets: torch.Tensor, out_size: int
+) -> torch.Tensor:
+    out = torch.empty(out_size, dtype=x.dtype, device=x.device)
+    if out_size == 0:
+        return out
+    n_blocks, block = starts.numel(), 1024
+    _gather_blocks_kernel[(cdiv(out_size, block),)](
+        x.contiguous(), out, starts, out_offsets, n_blocks, out_size,
+        N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def indexed_permute(
     permute: torch.Tensor,
     lengths: torch.Tensor,
@@ -862,10 +963,18 @@ def indexed_permute(
     weights: Optional[torch.Tensor] = None,
     permuted_lengths_sum: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Triton `indexed_permute` (fbgemm's permute_2D_sparse_data semantics)."""
-    return reference.indexed_permute_with(
-        gather_blocks, permute, lengths, values, weights, permuted_lengths_sum
-    )
+    """Triton `indexed_permute` (fbgemm's permute_2D_sparse_data semantics): the block
+    plan in one launch (`_block_plan`), then one gather per tensor."""
+    check_permutation_args(permute, lengths, values)
+    num_rows, batch = lengths.shape
+    starts, out_offsets = _block_plan(lengths.reshape(-1), permute.numel(), batch, permute=permute)
+    if permuted_lengths_sum is None:
+        permuted_lengths_sum = int(out_offsets[-1])  # device sync: pass the size to avoid it
+    out_values = _gather_planned(values, starts, out_offsets, permuted_lengths_sum)
+    out_weights = None
+    if weights is not None:
+        out_weights = _gather_planned(weights, starts, out_offsets, permuted_lengths_sum)
+    return lengths.index_select(0, permute), out_values, out_weights
 
 
 def keyed_transpose(
@@ -877,13 +986,17 @@ def keyed_transpose(
     num_keys: Optional[int] = None,
     inverse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Triton `keyed_transpose` ([rank][key][sample] <-> [key][rank][sample])."""
-    return reference.keyed_transpose_with(
-        gather_blocks,
-        lengths,
-        values,
-        weights,
-        batch_sizes=batch_sizes,
-        num_keys=num_keys,
-        inverse=inverse,
-    )
+    """Triton `keyed_transpose` ([rank][key][sample] <-> [key][rank][sample]). A fixed
+    batch plans its blocks in one launch (`_block_plan`, no permutation tensor); a batch
+    per rank takes the shared plan of `reference.keyed_transpose_with`."""
+    if batch_sizes is not None or values.dim() != 1 or lengths.dim() != 3:
+        return reference.keyed_transpose_with(
+            gather_blocks, lengths, values, weights,
+            batch_sizes=batch_sizes, num_keys=num_keys, inverse=inverse,
+        )  # fmt: skip
+    num_a, num_c, batch = lengths.shape
+    starts, out_offsets = _block_plan(lengths.reshape(-1), num_a * num_c, batch, num_a=num_a)
+    n = values.numel()
+    out_values = _gather_planned(values, starts, out_offsets, n)
+    out_weights = None if weights is None else _gather_planned(weights, starts, out_offsets, n)
+    return lengths.transpose(0, 1).contiguous(), out_values, out_weights
