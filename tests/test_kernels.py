@@ -484,23 +484,26 @@ def test_transpose_backends_match_reference(gen, backend):
 def test_triton_block_plan_over_several_iterations(gen, monkeypatch):
     """The Triton permute / transpose plan their blocks in one program that scans
     `_PLAN_BLOCK` entries per iteration; lowered to 16 here, larger inputs carry the
-    scans across iterations: results still equal the reference (int32 and int64)."""
+    scans across iterations: results still equal the reference (int32 and int64), also
+    past `_PLAN_MAX_BLOCKS` (lowered to 0), where the shared torch plan runs."""
     if not (triton_available() and os.environ["TRITON_INTERPRET"] == "1"):
         pytest.skip("triton interpreter unavailable")
     from freescale.kernels import triton_impl
 
     monkeypatch.setattr(triton_impl, "_PLAN_BLOCK", 16)
-    for i in range(6):
+    for i in range(8):
         dtypes = _dtypes(i)
+        if i == 6:  # past the plan's size limit: the torch scans, the same results
+            monkeypatch.setattr(triton_impl, "_PLAN_MAX_BLOCKS", 0)
         permute, lengths, values, weights = random_permute_case(
-            gen, max_rows=40, max_batch=7, max_len=9, **dtypes
+            gen, max_rows=40, max_batch=40 if i % 2 else 7, max_len=9, **dtypes
         )
         expected = reference.indexed_permute(permute, lengths, values, weights)
         actual = indexed_permute(permute, lengths, values, weights, backend="triton")
         for e, a in zip(expected, actual):
             assert e.dtype == a.dtype and torch.equal(e, a), i
         dt = INDEX_DTYPES[i % 2]
-        world, keys, batch = (int(x) for x in torch.randint(3, 9, (3,), generator=gen))
+        world, keys, batch = (int(x) for x in torch.randint(3, 40, (3,), generator=gen))
         tl = torch.randint(0, 6, (world, keys, batch), generator=gen).to(dt)
         tv, tw = torch.randint(0, 1000, (int(tl.sum()),), generator=gen), None
         if i % 2:

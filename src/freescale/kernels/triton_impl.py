@@ -861,40 +861,56 @@ def gather_blocks(
     return out
 
 
-# values per plan-loop iteration (a test lowers it to run several iterations)
+# entries per plan-loop iteration (a test lowers it to run several iterations), and the
+# most blocks (in + out) one plan program scans; larger plans take the torch scans
 _PLAN_BLOCK = 1024
+_PLAN_MAX_BLOCKS = 1 << 15
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_blocks", "n_out", "rows_per_block", "num_a"])
+@triton.jit(do_not_specialize=["rows_per_block"])
+def _block_sums_kernel(lengths_ptr, sums_ptr, rows_per_block, BLOCK: tl.constexpr):
+    """sums[q] = the values in block q (rows [q * rows_per_block, (q + 1) * rows_per_block)
+    of `lengths`): one program per block."""
+    q = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    r = 0
+    while r < rows_per_block:  # `while`: the interpreter cannot range() over arguments
+        idx = r + offs
+        m = idx < rows_per_block
+        acc += tl.load(lengths_ptr + q * rows_per_block + idx, mask=m, other=0).to(tl.int64)
+        r += BLOCK
+    tl.store(sums_ptr + q, tl.sum(acc, 0))
+
+
+@triton.jit(do_not_specialize=["n_blocks", "n_out", "num_a"])
 def _block_plan_kernel(
-    lengths_ptr,
+    sums_ptr,
     permute_ptr,
-    value_offsets_ptr,
+    block_offsets_ptr,
     starts_ptr,
     out_offsets_ptr,
-    n_rows,
     n_blocks,
     n_out,
-    rows_per_block,
     num_a,
     TRANSPOSE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program plans a block gather (what `reference._permute_value_blocks` computes
-    with ~10 small torch ops): input block q holds rows [q * rows_per_block, (q + 1) *
-    rows_per_block) of `lengths`; output block j is input block q(j); writes starts[j]
-    (q(j)'s first value) and out_offsets (n_out + 1 entries: the exclusive scan of the
-    output blocks' value counts). q(j) = permute[j] (indexed_permute), or with TRANSPOSE
-    q(j) = (j % num_a) * (n_blocks // num_a) + j // num_a ([a][c] -> [c][a])."""
+    """One program plans a block gather from the blocks' value counts (`sums`; what
+    `reference._permute_value_blocks` computes with ~10 small torch ops): output block j
+    is input block q(j); writes starts[j] (q(j)'s first value) and out_offsets (n_out + 1
+    entries: the exclusive scan of the output blocks' value counts). q(j) = permute[j]
+    (indexed_permute), or with TRANSPOSE q(j) = (j % num_a) * (n_blocks // num_a) +
+    j // num_a ([a][c] -> [c][a])."""
     offs = tl.arange(0, BLOCK)
-    # value_offsets = exclusive scan of lengths (n_rows + 1 entries)
+    # block_offsets = exclusive scan of sums (n_blocks + 1 entries)
     carry = tl.zeros([], dtype=tl.int64)
-    tl.store(value_offsets_ptr, carry)
+    tl.store(block_offsets_ptr, carry)
     base = 0
-    while base < n_rows:  # `while`: the interpreter cannot range() over arguments
+    while base < n_blocks:
         idx = base + offs
-        x = tl.load(lengths_ptr + idx, mask=idx < n_rows, other=0).to(tl.int64)
-        tl.store(value_offsets_ptr + idx + 1, tl.cumsum(x, 0) + carry, mask=idx < n_rows)
+        x = tl.load(sums_ptr + idx, mask=idx < n_blocks, other=0)
+        tl.store(block_offsets_ptr + idx + 1, tl.cumsum(x, 0) + carry, mask=idx < n_blocks)
         carry += tl.sum(x, 0)
         base += BLOCK
     tl.debug_barrier()  # the scan above is read back at random below
@@ -909,9 +925,8 @@ def _block_plan_kernel(
             q = (jj % num_a) * (n_blocks // num_a) + jj // num_a
         else:
             q = tl.load(permute_ptr + j, mask=m, other=0).to(tl.int64)
-        r0 = q * rows_per_block
-        start = tl.load(value_offsets_ptr + r0, mask=m, other=0)
-        size = tl.load(value_offsets_ptr + r0 + rows_per_block, mask=m, other=0) - start
+        start = tl.load(block_offsets_ptr + q, mask=m, other=0)
+        size = tl.load(sums_ptr + q, mask=m, other=0)
         tl.store(starts_ptr + j, start, mask=m)
         tl.store(out_offsets_ptr + j + 1, tl.cumsum(size, 0) + carry, mask=m)
         carry += tl.sum(size, 0)
@@ -920,24 +935,30 @@ def _block_plan_kernel(
 
 def _block_plan(
     lengths: torch.Tensor,
+    n_blocks: int,
     n_out: int,
-    rows_per_block: int,
     *,
     permute: Optional[torch.Tensor] = None,
     num_a: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts (n_out,), out_offsets (n_out + 1,)) int64 of a gather of value blocks of
-    `rows_per_block` rows of flat `lengths` each, in the order `permute` or (without it)
-    [a][c] -> [c][a] with `num_a` a's: one launch (`_block_plan_kernel`)."""
-    n_rows = lengths.numel()
-    sizes = (n_rows + 1, n_out, n_out + 1)
-    value_offsets, starts, out_offsets = torch.empty(
+    """(starts (n_out,), out_offsets (n_out + 1,)) int64 of a gather of the values of
+    `n_blocks` blocks of equally many rows of flat `lengths` (rows may be 0), in the order
+    `permute` or (without it) [a][c] -> [c][a] with `num_a` a's: two launches
+    (`_block_sums_kernel`, one program per block, and `_block_plan_kernel`, one program)."""
+    rows_per_block = lengths.numel() // n_blocks if n_blocks else 0
+    sizes = (n_blocks, n_blocks + 1, n_out, n_out + 1)
+    sums, block_offsets, starts, out_offsets = torch.empty(
         sum(sizes), dtype=torch.int64, device=lengths.device
     ).split(sizes)
+    if n_blocks and rows_per_block:
+        block = min(_PLAN_BLOCK, next_power_of_2(rows_per_block))
+        _block_sums_kernel[(n_blocks,)](lengths, sums, rows_per_block, BLOCK=block, num_warps=4)
+    else:
+        sums.zero_()
     _block_plan_kernel[(1,)](
-        lengths, value_offsets if permute is None else permute, value_offsets, starts,
-        out_offsets, n_rows, n_rows // max(rows_per_block, 1), n_out, rows_per_block,
-        max(num_a, 1), TRANSPOSE=permute is None, BLOCK=_PLAN_BLOCK, num_warps=4,
+        sums, sums if permute is None else permute, block_offsets, starts, out_offsets,
+        n_blocks, n_out, max(num_a, 1), TRANSPOSE=permute is None, BLOCK=_PLAN_BLOCK,
+        num_warps=4,
     )  # fmt: skip
     return starts, out_offsets
 
@@ -964,10 +985,17 @@ def indexed_permute(
     permuted_lengths_sum: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Triton `indexed_permute` (fbgemm's permute_2D_sparse_data semantics): the block
-    plan in one launch (`_block_plan`), then one gather per tensor."""
+    plan in two launches (`_block_plan`), then one gather per tensor; past
+    `_PLAN_MAX_BLOCKS` rows + output rows, the shared plan of torch scans."""
     check_permutation_args(permute, lengths, values)
-    num_rows, batch = lengths.shape
-    starts, out_offsets = _block_plan(lengths.reshape(-1), permute.numel(), batch, permute=permute)
+    num_rows = lengths.shape[0]
+    if num_rows + permute.numel() > _PLAN_MAX_BLOCKS:
+        return reference.indexed_permute_with(
+            gather_blocks, permute, lengths, values, weights, permuted_lengths_sum
+        )
+    starts, out_offsets = _block_plan(
+        lengths.reshape(-1), num_rows, permute.numel(), permute=permute
+    )
     if permuted_lengths_sum is None:
         permuted_lengths_sum = int(out_offsets[-1])  # device sync: pass the size to avoid it
     out_values = _gather_planned(values, starts, out_offsets, permuted_lengths_sum)
@@ -987,15 +1015,19 @@ def keyed_transpose(
     inverse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Triton `keyed_transpose` ([rank][key][sample] <-> [key][rank][sample]). A fixed
-    batch plans its blocks in one launch (`_block_plan`, no permutation tensor); a batch
-    per rank takes the shared plan of `reference.keyed_transpose_with`."""
-    if batch_sizes is not None or values.dim() != 1 or lengths.dim() != 3:
+    batch of at most `_PLAN_MAX_BLOCKS` / 2 (rank, key) blocks plans them in two launches
+    (`_block_plan`, no permutation tensor); others take the shared plan of
+    `reference.keyed_transpose_with` (torch scans)."""
+    shaped = batch_sizes is None and values.dim() == 1 and lengths.dim() == 3
+    if not shaped or 2 * lengths.shape[0] * lengths.shape[1] > _PLAN_MAX_BLOCKS:
         return reference.keyed_transpose_with(
             gather_blocks, lengths, values, weights,
             batch_sizes=batch_sizes, num_keys=num_keys, inverse=inverse,
         )  # fmt: skip
-    num_a, num_c, batch = lengths.shape
-    starts, out_offsets = _block_plan(lengths.reshape(-1), num_a * num_c, batch, num_a=num_a)
+    num_a, num_c, _ = lengths.shape
+    starts, out_offsets = _block_plan(
+        lengths.reshape(-1), num_a * num_c, num_a * num_c, num_a=num_a
+    )
     n = values.numel()
     out_values = _gather_planned(values, starts, out_offsets, n)
     out_weights = None if weights is None else _gather_planned(weights, starts, out_offsets, n)
