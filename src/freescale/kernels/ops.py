@@ -30,11 +30,12 @@ V4_MIN_IDS = 1
 V4_MAX_WORLD = (1 << 15) - 1  # triton_dispatch_v4.MAX_WORLD (not imported: triton is lazy)
 # ... and with v5 (the Gluon shared-memory dispatch) from this many ids per unweighted
 # call where v5 can run (compiled sm_90 CUDA, W <= V5_MAX_WORLD; v4 runs the other calls,
-# the same bits). Measured on one H200 (benchmarks/results/kernels.json at 1dafde3,
-# do_bench; v4 time / v5 time): at 2^26 ids 1.30x (W = 8) to 1.92x (W = 1024); crossover
-# rows at W = 8 / 128 / 1024: 2^25 ids 1.26 / 2.12 / 2.00, 2^24 0.84 / 1.07 / 2.09,
-# 2^23 0.92 / 1.45 / 1.21, 2^22 0.30 / 0.82 / 0.51, below 0.79-0.95. So v5 from 2^25,
-# where it led at every W measured.
+# the same bits). Measured on one H200 in three kernels.py runs (session 29: crossover
+# rows of kernels_1dafde3.json, kernels_xover_c51a93f.json, kernels.json at 4e9af8e;
+# v4 time / v5 time, do_bench): at 2^25 ids 1.26 / 0.89 / 1.27 at W = 8, 2.0-2.15 at
+# W = 128 and 1024; at 2^26 ids 1.30x (W = 8) to 1.93x (W = 1024); at 2^24 0.84-1.20 at
+# W = 8; at 2^22 0.30-0.94 except one 1.50 at W = 1024. v5's device time is the lower
+# from 2^22 ids; its host work per call is 0.04-0.1 ms more, which do_bench sees below.
 V5_MIN_IDS = 1 << 25
 V5_MAX_WORLD = 4096  # triton_dispatch_v5.V5_MAX_WORLD
 

@@ -4,7 +4,8 @@ Owns: `ranged_dispatch_v4`, its kernels and its tuning defaults (`default_config
 Same semantics and bits as `reference.ranged_dispatch` (tested in the interpreter and,
 compiled, on an H200 by `benchmarks/check_kernels_cuda.py`), same call as v3
 (`triton_impl.ranged_dispatch_v1(dest_major=True)`) plus keyword tuning knobs.
-`ops.ranged_dispatch` runs it on CUDA (from `ops.V4_MIN_IDS` = 1 id per call).
+`ops.ranged_dispatch` runs it on CUDA from `ops.V4_MIN_IDS` = 1 id per call, up to
+`ops.V5_MIN_IDS` (2^25) ids, and above where v5 cannot run (weights, W > 4096, not sm_90).
 
 Measured (H200, 2^26 ids, git a2674e6; BENCHMARKS.md "kernels"): 0.91 ms at W=8, 3.09
 ms at W=1024 (0.41 / 0.143 of the HBM floor). Nsight Compute puts the W=1024 rank kernel

@@ -1,4 +1,4 @@
-"""Ranged dispatch "v5" (experimental, opt-in): v4's tables, scan and finish pass with
+"""Ranged dispatch "v5": v4's tables, scan and finish pass with
 its rank and scatter kernels replaced by Gluon kernels that keep their per-tile state
 in shared memory.
 
@@ -7,10 +7,12 @@ Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5`, `check_config`,
 scatters) and a plain Triton transpose
 (`transpose_2d`). Same semantics and bits as `reference.ranged_dispatch` for inputs
 without weights and world sizes up to `V5_MAX_WORLD` (checked bitwise on an H200 by
-`benchmarks/dispatch_v5.py`, which exits 1 on a mismatch). Opt-in:
-``FREESCALE_TRITON_DISPATCH=v5`` routes `kernels.ranged_dispatch` here where it can run
-(v4 otherwise); "auto" keeps v4. It answers a question measured on one H200: how close
-to the HBM floor a dispatch gets when its kernels may index shared memory (issue 3).
+`benchmarks/dispatch_v5.py`, which exits 1 on a mismatch). `kernels.ranged_dispatch`
+runs it by default from `ops.V5_MIN_IDS` (2^25) ids per unweighted call on sm_90
+(session 29: below, v4's lighter host work wins; `ops.py` has the crossover);
+``FREESCALE_TRITON_DISPATCH=v5`` forces it where it can run (v4 otherwise). It answers a
+question measured on one H200: how close to the HBM floor a dispatch gets when its
+kernels may index shared memory (issue 3).
 Measured (`benchmarks/results/dispatch_v5.json`, BENCHMARKS.md "kernels", session 27):
 at 2^26 ids 0.272 of the floor at W = 1024 (v4 0.141) and 0.520 at W = 8 (v4 0.400);
 on one rank's ~1M ids its host time per call is higher than v4's.
