@@ -994,7 +994,7 @@ def indexed_permute(
             gather_blocks, permute, lengths, values, weights, permuted_lengths_sum
         )
     starts, out_offsets = _block_plan(
-        lengths.reshape(-1), num_rows, permute.numel(), permute=permute
+        lengths.reshape(-1), num_rows, permute.numel(), permute=permute.contiguous()
     )
     if permuted_lengths_sum is None:
         permuted_lengths_sum = int(out_offsets[-1])  # device sync: pass the size to avoid it
