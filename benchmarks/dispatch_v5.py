@@ -128,7 +128,8 @@ def check(v5, g: torch.Generator) -> int:
                         if wrong:
                             bad += 1
                             print(f"MISMATCH v5 w={w} {dt} k={k} b={b} {mode} {cfg}: {wrong}")
-    # the opt-in route: FREESCALE_TRITON_DISPATCH=v5 through kernels.ranged_dispatch
+    # the forced route: FREESCALE_TRITON_DISPATCH=v5 through kernels.ranged_dispatch (small
+    # calls, which "auto" gives v4)
     import os
 
     from freescale.kernels import ranged_dispatch
