@@ -846,19 +846,13 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Triton `reference.gather_blocks`: concatenate ``x[starts[j] : starts[j] + sizes[j]]``
     (1-D ``x``); ``out_offsets`` as there (given: one launch in all)."""
-    out = torch.empty(out_size, dtype=x.dtype, device=x.device)
     if out_size == 0:
-        return out
-    n_blocks = sizes.numel()
+        return torch.empty(0, dtype=x.dtype, device=x.device)
     if out_offsets is None:
         out_offsets = exclusive_cumsum(sizes)
-    block = 1024
-    _gather_blocks_kernel[(cdiv(out_size, block),)](
-        x.contiguous(), out, starts.to(torch.int64).contiguous(),
-        out_offsets.to(torch.int64).contiguous(), n_blocks, out_size,
-        N_ITERS=(n_blocks + 1).bit_length() + 1, BLOCK=block, num_warps=4,
-    )  # fmt: skip
-    return out
+    return _gather_planned(
+        x, starts.to(torch.int64).contiguous(), out_offsets.to(torch.int64).contiguous(), out_size
+    )
 
 
 # entries per plan-loop iteration (a test lowers it to run several iterations), and the
@@ -966,6 +960,7 @@ def _block_plan(
 def _gather_planned(
     x: torch.Tensor, starts: torch.Tensor, out_offsets: torch.Tensor, out_size: int
 ) -> torch.Tensor:
+    """`gather_blocks` from int64 contiguous block starts and output offsets."""
     out = torch.empty(out_size, dtype=x.dtype, device=x.device)
     if out_size == 0:
         return out
