@@ -659,12 +659,16 @@ def _plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    workloads = sorted({r["workload"] for r in rows}, key=lambda w: w != "per_rank")
+    workloads = sorted(
+        {r["workload"] for r in rows if r["op"] == "ranged_dispatch"}, key=lambda w: w != "per_rank"
+    )
     fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 8), squeeze=False)
     for col, wl in enumerate(workloads):
         ax = axes[0][col]
         disp = [r for r in rows if r["workload"] == wl and r["op"] == "ranged_dispatch"]
         for impl, style in (
+            ("triton_auto", "D-"),  # what kernels.ranged_dispatch runs (auto_version)
+            ("triton_v5", "v-"),
             ("triton", "o-"),
             ("triton_v1", "o--"),
             ("triton_v3", "d-"),
@@ -688,13 +692,16 @@ def _plot(rows: list[dict], path: Path) -> bool:
             "ranged_combine_backward",
             "keyed_transpose",
         ):
+            # dispatch: the kernel training runs (triton_auto) where the row has it
+            key = "triton_auto_ms" if op == "ranged_dispatch" else "triton_ms"
             pts = [
-                (r["world_size"], r["speedup_vs_naive"])
+                (r["world_size"], r["naive_ms"] / (r.get(key) or r["triton_ms"]))
                 for r in rows
-                if r["workload"] == wl and r["op"] == op and r.get("speedup_vs_naive")
-            ]
+                if r["workload"] == wl and r["op"] == op and r.get("naive_ms")
+                and (r.get(key) or r.get("triton_ms"))
+            ]  # fmt: skip
             if pts:
-                ax.plot(*zip(*pts), "o-", label=op)
+                ax.plot(*zip(*pts), "o-", label=op + (" (auto)" if op == "ranged_dispatch" else ""))
         ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="naive eager / Triton",
                title=f"Triton speedup over naive eager ({wl})")  # fmt: skip
         ax.set_xticks(WORLD_SIZES, [str(w) for w in WORLD_SIZES])
@@ -722,7 +729,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=None,
         help="recompute the headline (and plot) of an existing kernels.json from its rows",
     )
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw kernels.png next to an existing kernels.json from its rows (no run)",
+    )
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        res = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        if not _plot(res["rows"], png):
+            raise SystemExit("matplotlib is not importable: nothing drawn")
+        print(f"wrote {png}")
+        return 0
     if args.rehead is not None:
         res = json.loads(args.rehead.read_text())
         res["headline"] = _headline(res["rows"])
