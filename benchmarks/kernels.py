@@ -718,7 +718,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dim", type=int, default=EMBEDDING_DIM)
-    parser.add_argument("--budget-s", type=float, default=200.0, help="global time budget")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="global time budget (s)")
     parser.add_argument("--naive-budget-s", type=float, default=3.0, help="per naive timing")
     parser.add_argument("--cpu-reps", type=int, default=3)
     parser.add_argument("--no-large", action="store_true", help="skip the 2^26-id workload")
