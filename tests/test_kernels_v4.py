@@ -182,15 +182,19 @@ class _Counted:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("table_block, fused_max", [(16, 1 << 30), (16, 0), (1024, 0)])
-def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max):
+@pytest.mark.parametrize(
+    "table_block, fused_max, fan", [(16, 1 << 30, 16), (16, 0, 2), (1024, 0, 4), (16, 1 << 30, 2)]
+)
+def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, fan):
     """The segment offsets and the tile table as one single-program launch (looping over
     several table blocks when ``TABLE_BLOCK`` is small) or as two launches (the path past
-    `FUSED_TABLES_MAX_TILES` tiles): the reference's bits either way, and the launches
-    are the ones chosen. A fixed case with 40+ tiles makes the fused loop run 3+ times."""
+    `FUSED_TABLES_MAX_TILES` tiles), with several search fans (`SEARCH_FAN`: the rounds
+    follow it): the reference's bits either way, and the launches are the ones chosen. A
+    fixed case with 40+ tiles makes the fused loop run 3+ times."""
     v4 = _v4()
     monkeypatch.setattr(v4, "TABLE_BLOCK", table_block)
     monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", fused_max)
+    monkeypatch.setattr(v4, "SEARCH_FAN", fan)
     kernels = _count_table_launches(monkeypatch, v4)
     many = torch.randint(0, 5000, (700,), generator=gen)
     fixed = (many, torch.tensor([0, 300, 1, 399]), torch.tensor([700, 1200]), 8)
@@ -236,6 +240,68 @@ def test_v4_tables_fused_up_to_the_limit(gen, monkeypatch):
         assert kernels["_v4_segment_kernel"].launches == 1 - fused, limit
         for name, counted in kernels.items():  # unwrap for the next round
             monkeypatch.setattr(v4, name, counted.kernel)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from freescale.kernels.triton_dispatch_v4 import _first_at_least
+
+    @triton.jit
+    def _search_kernel(sorted_ptr, lo_ptr, hi_ptr, target_ptr, out_ptr, n, STRICT: tl.constexpr,
+                       ROUNDS: tl.constexpr, FAN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """out[i] = `_first_at_least` over sorted[lo[i]:hi[i]] for target[i]."""
+        i = tl.arange(0, BLOCK)
+        m = i < n
+        lo = tl.load(lo_ptr + i, mask=m, other=0)
+        hi = tl.load(hi_ptr + i, mask=m, other=0)
+        target = tl.load(target_ptr + i, mask=m, other=0)
+        found = _first_at_least(sorted_ptr, lo, hi, target, m, STRICT, ROUNDS, FAN)
+        tl.store(out_ptr + i, found, mask=m)
+
+
+@pytest.mark.parametrize("fan", [2, 4, 16])
+def test_kary_search_matches_searchsorted(gen, fan):
+    """`_first_at_least` (the tile table's k-ary search) against torch.searchsorted on
+    fresh random non-decreasing arrays with runs of equal entries: random sub-ranges
+    (empty ones included), targets below, inside and above the range, both the >= and
+    the > predicate, with `search_rounds` rounds for the longest range."""
+    v4 = _v4()
+    kernel = _search_kernel
+    n_sorted, n_queries, block = 300, 64, 64
+    data = torch.cumsum(torch.randint(0, 3, (n_sorted,), generator=gen), 0)
+    lo = torch.randint(0, n_sorted + 1, (n_queries,), generator=gen)
+    hi = torch.minimum(lo + torch.randint(0, n_sorted + 1, (n_queries,), generator=gen),
+                       torch.tensor(n_sorted))  # fmt: skip
+    hi[:4] = lo[:4]  # empty ranges
+    lo[4:8], hi[4:8] = 0, n_sorted  # the whole array
+    target = torch.randint(-2, int(data[-1]) + 3, (n_queries,), generator=gen)
+    target[8] = -5  # below everything
+    target[9] = int(data[-1]) + 5  # above everything
+    rounds = v4.search_rounds(int((hi - lo).max()), fan)
+    for strict in (False, True):
+        out = torch.empty(n_queries, dtype=torch.int64)
+        kernel[(1,)](data, lo, hi, target, out, n_queries, STRICT=strict, ROUNDS=rounds,
+                     FAN=fan, BLOCK=block)  # fmt: skip
+        for q in range(n_queries):
+            a, b = int(lo[q]), int(hi[q])
+            want = a + int(torch.searchsorted(data[a:b], target[q], right=strict))
+            assert int(out[q]) == want, (strict, q, a, b, int(target[q]))
+
+
+def test_search_rounds():
+    """Each round of a k-ary search over n entries leaves at most ceil(n / fan) - 1."""
+    v4 = _v4()
+    assert v4.search_rounds(0, 16) == 0
+    assert v4.search_rounds(3, 2) == 2
+    assert v4.search_rounds(1, 16) == 1
+    assert v4.search_rounds(16, 16) == 1
+    assert v4.search_rounds(17, 16) == 2
+    assert v4.search_rounds(8192, 16) == 4
+    assert v4.search_rounds(8192, 2) == 13
+    with pytest.raises(ValueError, match="fan"):
+        v4.search_rounds(5, 1)
 
 
 def test_host_int_helpers_match_triton():

@@ -56,11 +56,11 @@ apart); a segment running past its tile leaves partial counts (`tail` in its fir
 
 Launches (six, like v3; five up to `FUSED_TABLES_MAX_TILES` tiles, where the first two
 are one single-program launch): segment / key-tile offsets (one program); tile table
-(binary searches); rank; `torch.cumsum` of the [dest][tile] counts; finish; scatter. Deterministic:
-no atomics, one writer per output element, per-tile state updated in a fixed order. No
-host-device sync (sizes come from shapes). World size is a compile-time constant (cheap
-divisions; one compiled variant per W). On CPU tensors this module needs
-``TRITON_INTERPRET=1`` set before triton is first imported.
+(k-ary searches, `SEARCH_FAN`); rank; `torch.cumsum` of the [dest][tile] counts; finish;
+scatter. Deterministic: no atomics, one writer per output element, per-tile state
+updated in a fixed order. No host-device sync (sizes come from shapes). World size is a
+compile-time constant (cheap divisions; one compiled variant per W). On CPU tensors this
+module needs ``TRITON_INTERPRET=1`` set before triton is first imported.
 
 Cost that grows with W (arithmetic from the code; "large" workload of
 benchmarks/kernels.py: N = 2^26 uniform int64 ids, int64 lengths, K = 4, B = 8192, so
@@ -136,6 +136,13 @@ ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
 TABLE_BLOCK = 1024  # tiles per block of the tile table
+# The searches of the tile table are k-ary: each round loads SEARCH_FAN probes per tile
+# and keeps one of SEARCH_FAN + 1 sub-ranges, so a key of B segments takes
+# `search_rounds(B)` dependent loads (4 at B = 8192) instead of a binary search's ~14.
+SEARCH_FAN = 16
+# Segment offsets: one program scans the lengths SEG_BLOCK_MAX at a time (a serial
+# chain of load, cumsum, store per block; 2048 made it 36 us at 32K segments on an H200).
+SEG_BLOCK_MAX = 8192
 _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles; up to ~2M ids with 1K-id
 # tiles) the segment offsets and the tile table are one single-program launch
@@ -335,29 +342,68 @@ def _segment_offsets(
         first += BLOCK
 
 
+def search_rounds(n: int, fan: int) -> int:
+    """Rounds `_first_at_least` needs for a range of n entries with `fan` probes per
+    round: each round leaves at most ceil(n / fan) - 1 candidates."""
+    if fan < 2:
+        raise ValueError(f"fan must be >= 2, got {fan}")
+    rounds = 0
+    while n > 0:
+        n = -(-n // fan) - 1
+        rounds += 1
+    return rounds
+
+
+@triton.jit
+def _first_at_least(ptr, lo, hi, target, active, STRICT: tl.constexpr, ROUNDS: tl.constexpr,
+                    FAN: tl.constexpr):  # fmt: skip
+    """Per element of the [BLOCK] vectors: the first s in [lo, hi) with ptr[s] >= target
+    (> target if STRICT), hi if none; ptr[lo:hi] must be non-decreasing; FAN a power of
+    two. A k-ary search:
+    each round loads FAN probes (lo + (i + 1) * step - 1, step = ceil((hi - lo) / FAN))
+    as one [BLOCK, FAN] load; the c probes below the target are a prefix, so the answer
+    lies in [lo + c * step, min(lo + (c + 1) * step - 1, hi)]: at most step - 1
+    candidates remain. ROUNDS = `search_rounds(hi - lo)` rounds end with lo == hi (the
+    answer). Inactive elements load nothing."""
+    probe = (tl.arange(0, FAN) + 1)[None, :]
+    for _ in tl.static_range(ROUNDS):
+        n = hi - lo
+        step = (n + (FAN - 1)) // FAN
+        q = lo[:, None] + probe * step[:, None] - 1
+        valid = (q < hi[:, None]) & (active & (n > 0))[:, None]
+        v = tl.load(ptr + q, mask=valid, other=0)
+        if STRICT:
+            hit = v > target[:, None]
+        else:
+            hit = v >= target[:, None]
+        c = tl.sum((valid & ~hit).to(step.dtype), axis=1)
+        new_lo = lo + c * step
+        new_hi = tl.minimum(new_lo + step - 1, hi)
+        lo = new_lo
+        hi = tl.where(n > 0, new_hi, hi)
+    return lo
+
+
 @triton.jit
 def _tile_table_block(
     t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr, tile_end_ptr,
     tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch, TILE: tl.constexpr,
-    KEY_ITERS: tl.constexpr, SEG_ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    KEY_ROUNDS: tl.constexpr, SEG_ROUNDS: tl.constexpr, FAN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The tile table entries of the tiles ``t`` (a [BLOCK] int64 vector): tile t -> key,
     ids [start, end) (TILE ids of one key, the key's last tile shorter) and the segments
     it owns, [seg_lo, seg_hi): those starting in [start, end), plus, in the key's last
     tile, the empty segments at the key's end. Spare tiles past the last one are empty
-    (start = end = 0, no segments)."""
+    (start = end = 0, no segments). Searches: `_first_at_least` (KEY_ROUNDS over the
+    K + 1 key offsets, SEG_ROUNDS over the key's B segments)."""
     in_grid = t < num_tiles
     # key = last k in [0, K] with key_tile_first[k] <= t
-    lo = tl.zeros([BLOCK], dtype=tl.int32)
-    hi = lo + num_keys + 1
-    for _ in tl.static_range(KEY_ITERS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        right = tl.load(key_tile_first_ptr + mid, mask=active & in_grid, other=0) <= t
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
+    zero32 = tl.zeros([BLOCK], dtype=tl.int32)
+    k_hi = _first_at_least(key_tile_first_ptr, zero32, zero32 + num_keys + 1, t, in_grid,
+                           True, KEY_ROUNDS, FAN)  # fmt: skip
     used = in_grid & (t < tl.load(key_tile_first_ptr + num_keys))
-    key = tl.minimum(lo - 1, num_keys - 1)
+    key = tl.minimum(k_hi - 1, num_keys - 1)
     first_tile = tl.load(key_tile_first_ptr + key, mask=used, other=0)
     last = t == tl.load(key_tile_first_ptr + key + 1, mask=used, other=0) - 1
     seg0 = key.to(tl.int64) * batch
@@ -365,29 +411,17 @@ def _tile_table_block(
     key_end = tl.load(seg_offsets_ptr + seg0 + batch, mask=used, other=0)
     start = key_start + (t - first_tile) * TILE
     end = tl.minimum(start + TILE, key_end)
-    # seg_lo = first s of the key with seg_offsets[s] >= start; likewise for end (two
-    # binary searches in one loop, so that their load latencies overlap)
-    lo_a = seg0
-    hi_a = seg0 + batch
-    lo_b = seg0
-    hi_b = seg0 + batch
-    for _ in tl.static_range(SEG_ITERS):
-        act_a = used & (lo_a < hi_a)
-        mid_a = (lo_a + hi_a) // 2
-        ge_a = tl.load(seg_offsets_ptr + mid_a, mask=act_a, other=0) >= start
-        hi_a = tl.where(act_a & ge_a, mid_a, hi_a)
-        lo_a = tl.where(act_a & ~ge_a, mid_a + 1, lo_a)
-        act_b = used & (lo_b < hi_b)
-        mid_b = (lo_b + hi_b) // 2
-        ge_b = tl.load(seg_offsets_ptr + mid_b, mask=act_b, other=0) >= end
-        hi_b = tl.where(act_b & ge_b, mid_b, hi_b)
-        lo_b = tl.where(act_b & ~ge_b, mid_b + 1, lo_b)
-    seg_hi = tl.where(last, seg0 + batch, lo_b)
+    # seg_lo = first s of the key with seg_offsets[s] >= start; likewise for end
+    seg_lo = _first_at_least(seg_offsets_ptr, seg0, seg0 + batch, start, used, False,
+                             SEG_ROUNDS, FAN)  # fmt: skip
+    seg_end = _first_at_least(seg_offsets_ptr, seg0, seg0 + batch, end, used & ~last, False,
+                              SEG_ROUNDS, FAN)  # fmt: skip
+    seg_hi = tl.where(last, seg0 + batch, seg_end)
     zero = tl.zeros([BLOCK], dtype=tl.int64)
     tl.store(tile_key_ptr + t, tl.where(used, key, 0), mask=in_grid)
     tl.store(tile_start_ptr + t, tl.where(used, start, zero), mask=in_grid)
     tl.store(tile_end_ptr + t, tl.where(used, end, zero), mask=in_grid)
-    tl.store(tile_seg_lo_ptr + t, tl.where(used, lo_a, zero), mask=in_grid)
+    tl.store(tile_seg_lo_ptr + t, tl.where(used, seg_lo, zero), mask=in_grid)
     tl.store(tile_seg_hi_ptr + t, tl.where(used, seg_hi, zero), mask=in_grid)
 
 
@@ -420,15 +454,16 @@ def _v4_tile_table_kernel(
     num_keys,
     batch,
     TILE: tl.constexpr,
-    KEY_ITERS: tl.constexpr,
-    SEG_ITERS: tl.constexpr,
+    KEY_ROUNDS: tl.constexpr,
+    SEG_ROUNDS: tl.constexpr,
+    FAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program p: `_tile_table_block` of tiles [p * BLOCK, (p + 1) * BLOCK)."""
     t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     _tile_table_block(t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr,
                       tile_end_ptr, tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch,
-                      TILE, KEY_ITERS, SEG_ITERS, BLOCK)  # fmt: skip
+                      TILE, KEY_ROUNDS, SEG_ROUNDS, FAN, BLOCK)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_segments", "num_tiles", "num_keys", "batch"])
@@ -446,8 +481,9 @@ def _v4_tables_kernel(
     num_keys,
     batch,
     TILE: tl.constexpr,
-    KEY_ITERS: tl.constexpr,
-    SEG_ITERS: tl.constexpr,
+    KEY_ROUNDS: tl.constexpr,
+    SEG_ROUNDS: tl.constexpr,
+    FAN: tl.constexpr,
     SEG_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -462,8 +498,8 @@ def _v4_tables_kernel(
         t = (first + tl.arange(0, BLOCK)).to(tl.int64)
         _tile_table_block(
             t, seg_offsets_ptr, key_tile_first_ptr, tile_key_ptr, tile_start_ptr, tile_end_ptr,
-            tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch, TILE, KEY_ITERS,
-            SEG_ITERS, BLOCK,
+            tile_seg_lo_ptr, tile_seg_hi_ptr, num_tiles, num_keys, batch, TILE, KEY_ROUNDS,
+            SEG_ROUNDS, FAN, BLOCK,
         )  # fmt: skip
         first += BLOCK
 
@@ -1006,17 +1042,18 @@ def launch_tables(
 ) -> None:
     """Steps 1-2 (also v5's): segment offsets and the first tile of every key (one
     program), then the tile table ``(tile_key, tile_start, tile_end, tile_seg_lo,
-    tile_seg_hi)`` by binary searches; one launch when one program covers every tile."""
+    tile_seg_hi)`` by k-ary searches (`_first_at_least`); one launch when one program
+    covers every tile."""
     nseg = num_keys * batch
-    block = min(2048, max(128, next_power_of_2(max(nseg, num_keys))))
-    seg_warps = 8 if block >= 2048 else 4
-    seg_iters = -(-(batch + 1).bit_length() // 8) * 8 + 1  # few variants as B changes
-    key_iters = (num_keys + 1).bit_length() + 1
+    block = min(SEG_BLOCK_MAX, max(128, next_power_of_2(max(nseg, num_keys))))
+    seg_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    seg_rounds = search_rounds(batch, SEARCH_FAN)
+    key_rounds = search_rounds(num_keys + 1, SEARCH_FAN)
     if num_tiles <= FUSED_TABLES_MAX_TILES:
         _v4_tables_kernel[(1,)](
             lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
-            TILE=tile, KEY_ITERS=key_iters, SEG_ITERS=seg_iters, SEG_BLOCK=block,
-            BLOCK=TABLE_BLOCK, num_warps=seg_warps,
+            TILE=tile, KEY_ROUNDS=key_rounds, SEG_ROUNDS=seg_rounds, FAN=SEARCH_FAN,
+            SEG_BLOCK=block, BLOCK=TABLE_BLOCK, num_warps=seg_warps,
         )  # fmt: skip
     else:
         _v4_segment_kernel[(1,)](
@@ -1025,7 +1062,8 @@ def launch_tables(
         )  # fmt: skip
         _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
             seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=tile,
-            KEY_ITERS=key_iters, SEG_ITERS=seg_iters, BLOCK=TABLE_BLOCK, num_warps=4,
+            KEY_ROUNDS=key_rounds, SEG_ROUNDS=seg_rounds, FAN=SEARCH_FAN, BLOCK=TABLE_BLOCK,
+            num_warps=4,
         )  # fmt: skip
 
 
