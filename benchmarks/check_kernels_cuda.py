@@ -35,15 +35,15 @@ from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 def _v4_tables(args, mode: str, table_block: int, fused_max: int):
     """v4 with 256-id tiles and the segment offsets + tile table either as one launch
     looping over ``table_block``-tile blocks or as two launches (``fused_max`` = 0)."""
-    saved = triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES
-    triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES = (
-        table_block,
-        fused_max,
-    )
+    names = ("TABLE_BLOCK", "FUSED_TABLE_BLOCK", "FUSED_TABLES_MAX_TILES")
+    saved = {name: getattr(triton_dispatch_v4, name) for name in names}
+    for name, value in zip(names, (table_block, table_block, fused_max)):
+        setattr(triton_dispatch_v4, name, value)
     try:
         return ranged_dispatch_v4(*args, mode=mode, tile=256, scatter_block=64)
     finally:
-        triton_dispatch_v4.TABLE_BLOCK, triton_dispatch_v4.FUSED_TABLES_MAX_TILES = saved
+        for name, value in saved.items():
+            setattr(triton_dispatch_v4, name, value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Steps 1-2 of v4 and v5 (`triton_dispatch_v4.launch_tables`): the segment offsets (one
 program scanning the lengths `SEG_BLOCK_MAX` at a time) and the tile table (per tile, its
-key, id range and owned segments, by k-ary searches with `SEARCH_FAN` probes a round).
+key, id range and owned segments, by k-ary searches with `SEARCH_FAN` probes a round;
+`TABLE_BLOCK` tiles per program, or `FUSED_TABLE_BLOCK` a pass of the one-program launch
+used up to `FUSED_TABLES_MAX_TILES` tiles).
 On an H200 at 2^26 ids they took 36 + 29 us per call (`dispatch_v5.json`, `431f902`),
 ~9% of v5's whole call at W = 8 and more than the gap to half the HBM floor at W = 32.
 For each workload of `kernels.py` (2^26 ids; one rank's ~1M ids) and tile size, every
@@ -16,7 +18,7 @@ Usage (one H200, well under a minute; a CPU smoke run with TRITON_INTERPRET=1 --
 
 Writes DIR/dispatch_tables.json (figure, device, git sha, date, command, rows: workload,
 tile, setting, per-kernel and total device us; headline: the default's total and the
-ratio binary-like (fan 2, 2048-segment blocks) / default, per workload). Exits 1 on a
+ratio binary-like (fan 2, 1024-tile blocks) / default, per workload and tile). Exits 1 on a
 mismatch.
 """
 
@@ -37,15 +39,16 @@ from freescale.kernels import triton_dispatch_v4 as v4  # noqa: E402
 from freescale.kernels.common import cdiv  # noqa: E402
 from kernels import _git_sha, make_workload  # noqa: E402
 
-# (SEG_BLOCK_MAX, SEARCH_FAN, TABLE_BLOCK); the first is the module's default
+# module constants set per setting; the first setting is the module's default
+KNOBS = ("SEG_BLOCK_MAX", "SEARCH_FAN", "TABLE_BLOCK", "FUSED_TABLE_BLOCK", "FUSED_TABLE_WARPS")
+DEFAULT = tuple(getattr(v4, k) for k in KNOBS)
 SETTINGS = [
-    (v4.SEG_BLOCK_MAX, v4.SEARCH_FAN, v4.TABLE_BLOCK),
-    (2048, 2, 1024),  # close to the binary search + 2048-blocks of `431f902`
-    (2048, 16, 1024),
-    (16384, 16, 1024),
-    (8192, 8, 1024),
-    (8192, 32, 1024),
-    (8192, 16, 256),
+    DEFAULT,
+    (2048, 2, 1024, 1024, 4),  # close to `431f902`: binary search, 1024-tile blocks
+    (2048, 16, 128, 1024, 16),
+    (2048, 16, 64, 1024, 16),
+    (2048, 16, 256, 512, 16),
+    (2048, 16, 256, 256, 8),
 ]
 FIELDS = ("seg_offsets", "key_tile_first", "tile_key", "tile_start", "tile_end",
           "tile_seg_lo", "tile_seg_hi")  # fmt: skip
@@ -130,8 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ("large", make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)),
             ("per_rank", make_workload("per_rank", 128, None, dev, seed=0, smoke=False)),
         ]
-        tiles = [1024, 2048, 4096]
-    saved = (v4.SEG_BLOCK_MAX, v4.SEARCH_FAN, v4.TABLE_BLOCK)
+        tiles = [1024, 4096]  # v4's per-rank tile; v5's at 2^26 ids from W = 512
     rows, bad = [], 0
     try:
         for name, wl in workloads:
@@ -142,14 +144,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 num_tiles = n // tile + num_keys
                 want = reference_tables(lengths, num_keys, wl["batch"], num_tiles, tile)
                 for setting in SETTINGS:
-                    v4.SEG_BLOCK_MAX, v4.SEARCH_FAN, v4.TABLE_BLOCK = setting
+                    for knob, value in zip(KNOBS, setting):
+                        setattr(v4, knob, value)
                     got = run_tables(lengths, num_keys, wl["batch"], num_tiles, tile)
                     wrong = [f for f in FIELDS if not torch.equal(got[f], want[f])]
                     bad += bool(wrong)
                     row = {"workload": name, "ids": n, "tile": tile, "tiles": num_tiles,
                            "fused": num_tiles <= v4.FUSED_TABLES_MAX_TILES,
-                           "seg_block_max": setting[0], "fan": setting[1],
-                           "table_block": setting[2], "equal": not wrong,
+                           "setting": dict(zip(KNOBS, setting)), "equal": not wrong,
                            "table_programs": cdiv(num_tiles, setting[2])}  # fmt: skip
                     if wrong:
                         row["wrong_fields"] = wrong
@@ -161,32 +163,29 @@ def main(argv: Optional[list[str]] = None) -> int:
                         row["total_us"] = sum(tables.values())
                     rows.append(row)
                     print(
-                        f"{name} tile={tile} seg_block={setting[0]} fan={setting[1]} "
-                        f"table_block={setting[2]}: "
+                        f"{name} tile={tile} {setting}: "
                         f"{'EQUAL' if not wrong else 'MISMATCH ' + ','.join(wrong)} "
                         f"{row.get('total_us', float('nan')):.1f} us",
                         flush=True,
                     )
     finally:
-        v4.SEG_BLOCK_MAX, v4.SEARCH_FAN, v4.TABLE_BLOCK = saved
+        for knob, value in zip(KNOBS, DEFAULT):
+            setattr(v4, knob, value)
     headline = {"mismatches": bad}
     if cuda:
         for name, _ in workloads:
             mine = [r for r in rows if r["workload"] == name and "total_us" in r]
             for tile in tiles:
                 at = [r for r in mine if r["tile"] == tile]
-                default = next(
-                    r for r in at if (r["seg_block_max"], r["fan"], r["table_block"]) == saved
-                )
-                binary = next(
-                    r for r in at if (r["seg_block_max"], r["fan"], r["table_block"]) == SETTINGS[1]
-                )
+                default = next(r for r in at if tuple(r["setting"].values()) == DEFAULT)
+                binary = next(r for r in at if tuple(r["setting"].values()) == SETTINGS[1])
                 headline[f"{name}_tile{tile}_default_us"] = default["total_us"]
                 headline[f"{name}_tile{tile}_binary_like_over_default"] = (
                     binary["total_us"] / default["total_us"]
                 )
     report = {
         **figure_header("dispatch_tables", _git_sha(args.git_sha)),
+        "knobs": list(KNOBS),
         "settings": [list(s) for s in SETTINGS],
         "rows": rows,
         "headline": headline,

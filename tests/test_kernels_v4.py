@@ -187,12 +187,13 @@ class _Counted:
 )
 def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, fan):
     """The segment offsets and the tile table as one single-program launch (looping over
-    several table blocks when ``TABLE_BLOCK`` is small) or as two launches (the path past
+    several table blocks when ``FUSED_TABLE_BLOCK`` is small) or as two launches (the path past
     `FUSED_TABLES_MAX_TILES` tiles), with several search fans (`SEARCH_FAN`: the rounds
     follow it): the reference's bits either way, and the launches are the ones chosen. A
     fixed case with 40+ tiles makes the fused loop run 3+ times."""
     v4 = _v4()
     monkeypatch.setattr(v4, "TABLE_BLOCK", table_block)
+    monkeypatch.setattr(v4, "FUSED_TABLE_BLOCK", table_block)
     monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", fused_max)
     monkeypatch.setattr(v4, "SEARCH_FAN", fan)
     kernels = _count_table_launches(monkeypatch, v4)

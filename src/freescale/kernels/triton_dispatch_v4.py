@@ -135,14 +135,21 @@ PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
-TABLE_BLOCK = 1024  # tiles per block of the tile table
+# Tile table (`benchmarks/results/dispatch_tables.json`, H200, session 30): on many
+# programs TABLE_BLOCK tiles each (256: 16 us at 2^26 ids against 90-95 us with 1024, whose
+# [1024, SEARCH_FAN] probe rounds are 128 loads a thread with 4 warps); in the
+# single-program launch FUSED_TABLE_BLOCK tiles a pass on FUSED_TABLE_WARPS warps.
+TABLE_BLOCK = 256
+FUSED_TABLE_BLOCK = 1024
+FUSED_TABLE_WARPS = 16
 # The searches of the tile table are k-ary: each round loads SEARCH_FAN probes per tile
 # and keeps one of SEARCH_FAN + 1 sub-ranges, so a key of B segments takes
-# `search_rounds(B)` dependent loads (4 at B = 8192) instead of a binary search's ~14.
+# `search_rounds(B, SEARCH_FAN)` dependent loads (4 at B = 8192) instead of a binary
+# search's ~14 (fan 8 and 32 were slower in the same run).
 SEARCH_FAN = 16
-# Segment offsets: one program scans the lengths SEG_BLOCK_MAX at a time (a serial
-# chain of load, cumsum, store per block; 2048 made it 36 us at 32K segments on an H200).
-SEG_BLOCK_MAX = 8192
+# Segment offsets: one program scans the lengths SEG_BLOCK_MAX at a time (32K segments:
+# 30.5 us with 2048, 32.6 with 8192, 40 with 16384).
+SEG_BLOCK_MAX = 2048
 _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles; up to ~2M ids with 1K-id
 # tiles) the segment offsets and the tile table are one single-program launch
@@ -150,7 +157,7 @@ _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # H200, dispatch_profile_etrow2_c3aedfe.json), saving a launch where the host's per-call
 # work is what a call costs (benchmarks/results/dispatch_host.json); beyond it the table
 # runs on many programs. Same results either way (tests force both).
-FUSED_TABLES_MAX_TILES = 2 * TABLE_BLOCK
+FUSED_TABLES_MAX_TILES = 2048
 
 
 # ---------------------------------------------------------------------------------------
@@ -1053,7 +1060,8 @@ def launch_tables(
         _v4_tables_kernel[(1,)](
             lengths, seg_offsets, key_tile_first, *table, nseg, num_tiles, num_keys, batch,
             TILE=tile, KEY_ROUNDS=key_rounds, SEG_ROUNDS=seg_rounds, FAN=SEARCH_FAN,
-            SEG_BLOCK=block, BLOCK=TABLE_BLOCK, num_warps=seg_warps,
+            SEG_BLOCK=block, BLOCK=FUSED_TABLE_BLOCK,
+            num_warps=max(seg_warps, FUSED_TABLE_WARPS),
         )  # fmt: skip
     else:
         _v4_segment_kernel[(1,)](
