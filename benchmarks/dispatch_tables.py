@@ -40,15 +40,17 @@ from freescale.kernels.common import cdiv  # noqa: E402
 from kernels import _git_sha, make_workload  # noqa: E402
 
 # module constants set per setting; the first setting is the module's default
-KNOBS = ("SEG_BLOCK_MAX", "SEARCH_FAN", "TABLE_BLOCK", "FUSED_TABLE_BLOCK", "FUSED_TABLE_WARPS")
+KNOBS = ("SEG_BLOCK_MAX", "SEARCH_FAN", "TABLE_BLOCK", "FUSED_TABLE_BLOCK", "FUSED_TABLE_WARPS",
+         "SEG_SCAN_BLOCK")  # fmt: skip
 DEFAULT = tuple(getattr(v4, k) for k in KNOBS)
 SETTINGS = [
     DEFAULT,
-    (2048, 2, 1024, 1024, 4),  # close to `431f902`: binary search, 1024-tile blocks
-    (2048, 16, 128, 1024, 16),
-    (2048, 16, 64, 1024, 16),
-    (2048, 16, 256, 512, 16),
-    (2048, 16, 256, 256, 8),
+    # close to `431f902`: binary search, 1024-tile blocks, one program for the offsets
+    (2048, 2, 1024, 1024, 4, 1 << 40),
+    (2048, 16, 256, 512, 16, 1 << 40),  # 7f780b3: one program for the offsets
+    (2048, 16, 256, 512, 16, 1024),
+    (2048, 16, 256, 512, 16, 4096),
+    (2048, 16, 64, 256, 8, 2048),
 ]
 FIELDS = ("seg_offsets", "key_tile_first", "tile_key", "tile_start", "tile_end",
           "tile_seg_lo", "tile_seg_hi")  # fmt: skip

@@ -13,7 +13,7 @@ accesses). This script:
    configs) on `kernels.py`'s large workload (2^26 ids, 4 keys, 8192 samples) and v4 /
    v5 defaults on its per-rank one (128 samples, ~1M ids) at W = 8 .. 1024 (CUDA events,
    `triton.testing.do_bench` median), each call first checked equal to v4's output;
-3. splits one call of each into kernels (torch.profiler), at W = 8 and 1024.
+3. splits one call of each into kernels (torch.profiler), at W = 8, 32, 128 and 1024.
 
 The floor is `kernels.py`'s: bytes that must be read and written / measured copy
 bandwidth. Usage (one H200, ~2-3 min):
@@ -44,6 +44,7 @@ from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  #
 
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
 WORLDS = [8, 32, 128, 512, 1024]
+PROFILE_WORLDS = (8, 32, 128, 1024)  # one call split into kernels (torch.profiler)
 CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unroll)
     "v5_t2048_w4_u4": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4},
     "v5_t4096_w8_u4": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4},
@@ -258,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ms, _ = time_fast(fn, dev, reps=0)
                 row = {"workload": name, "n": n, "world": w, "impl": impl, "ms": ms,
                        "floor_ms": floor_ms, "fraction_of_hbm_floor": floor_ms / ms}  # fmt: skip
-                if w in (8, 1024):
+                if w in PROFILE_WORLDS:
                     row["kernels_ms"] = profile_one(fn)
                     row["device_ms"] = sum(row["kernels_ms"].values())
                 rows.append(row)

@@ -183,43 +183,59 @@ class _Counted:
 
 
 @pytest.mark.parametrize(
-    "table_block, fused_max, fan", [(16, 1 << 30, 16), (16, 0, 2), (1024, 0, 4), (16, 1 << 30, 2)]
+    "table_block, fused_max, fan, scan_block",
+    [
+        (16, 1 << 30, 16, 4),
+        (16, 0, 2, 4),
+        (1024, 0, 4, 1 << 20),
+        (16, 1 << 30, 2, 4),
+        (64, 0, 16, 8),
+    ],
 )
-def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, fan):
+def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, fan, scan_block):
     """The segment offsets and the tile table as one single-program launch (looping over
-    several table blocks when ``FUSED_TABLE_BLOCK`` is small) or as two launches (the path past
-    `FUSED_TABLES_MAX_TILES` tiles), with several search fans (`SEARCH_FAN`: the rounds
-    follow it): the reference's bits either way, and the launches are the ones chosen. A
-    fixed case with 40+ tiles makes the fused loop run 3+ times."""
+    several table blocks when ``FUSED_TABLE_BLOCK`` is small) or as separate launches
+    (the path past `FUSED_TABLES_MAX_TILES` tiles: the offsets by one program up to
+    `SEG_SCAN_BLOCK` segments, by many programs beyond, whose prefix loop adds
+    `SEG_SUMS_BLOCK` = 2 block sums a pass here), with several search fans
+    (`SEARCH_FAN`: the rounds follow it): the reference's bits either way, and the
+    launches are the ones chosen. A fixed case with 40+ tiles makes the fused loop run
+    3+ times."""
     v4 = _v4()
     monkeypatch.setattr(v4, "TABLE_BLOCK", table_block)
     monkeypatch.setattr(v4, "FUSED_TABLE_BLOCK", table_block)
     monkeypatch.setattr(v4, "FUSED_TABLES_MAX_TILES", fused_max)
     monkeypatch.setattr(v4, "SEARCH_FAN", fan)
+    monkeypatch.setattr(v4, "SEG_SCAN_BLOCK", scan_block)
+    monkeypatch.setattr(v4, "SEG_SUMS_BLOCK", 2)
     kernels = _count_table_launches(monkeypatch, v4)
     many = torch.randint(0, 5000, (700,), generator=gen)
-    fixed = (many, torch.tensor([0, 300, 1, 399]), torch.tensor([700, 1200]), 8)
+    fixed = (many, torch.tensor([0, 300, 1, 399, 0, 0]), torch.tensor([700, 1200]), 8)
     cases = [(fixed, None, "fixed: 2 keys, 700 ids, 44 tiles of 16")]
     for world in (8, 300, 3):
         case = random_dispatch_case(gen, world, max_batch=9, max_len=120, with_weights=True)
         cases.append(((case.values, case.lengths, case.block_sizes, world), case.weights,
                       case.describe()))  # fmt: skip
-    calls = 0
+    calls = many_program_scans = 0
     for (args, weights, context), tile in zip(cases, (16, 16, 16, 64)):
         for lengths_mode in LENGTHS_MODES:
             _check(args, "block", weights, context, tile=tile, lengths_mode=lengths_mode)
             calls += args[0].numel() > 0
+            many_program_scans += args[0].numel() > 0 and args[1].numel() > scan_block
     fused = kernels["_v4_tables_kernel"].launches
     assert fused == (calls if fused_max else 0)
-    assert kernels["_v4_segment_kernel"].launches == calls - fused
+    scans = kernels["_v4_seg_scan_kernel"].launches
+    assert scans == (0 if fused_max else many_program_scans)
+    assert kernels["_v4_segment_kernel"].launches == calls - fused - scans
     assert kernels["_v4_tile_table_kernel"].launches == calls - fused
+    if not fused_max and scan_block == 4:
+        assert scans > 0  # the many-program offsets ran
 
 
 def _count_table_launches(monkeypatch, v4) -> dict:
-    kernels = {
-        name: _Counted(getattr(v4, name))
-        for name in ("_v4_tables_kernel", "_v4_segment_kernel", "_v4_tile_table_kernel")
-    }
+    names = ("_v4_tables_kernel", "_v4_segment_kernel", "_v4_seg_scan_kernel",
+             "_v4_tile_table_kernel")  # fmt: skip
+    kernels = {name: _Counted(getattr(v4, name)) for name in names}
     for name, counted in kernels.items():
         monkeypatch.setattr(v4, name, counted)
     return kernels

@@ -135,12 +135,13 @@ PEERS = ("auto", "match", "compare")  # `V4Config.peers`
 ET_GATHERS = ("global", "row")  # `V4Config.et_gather`
 ET_ROW_MAX_WORLD = 4096  # et_gather="row" holds a [next_power_of_2(W)] row per program
 ET_ROW_DEFAULT_MAX_WORLD = 1024  # "row" by default up to here (measured and GPU-checked)
-# Tile table (`benchmarks/results/dispatch_tables.json`, H200, session 30): on many
-# programs TABLE_BLOCK tiles each (256: 16 us at 2^26 ids against 90-95 us with 1024, whose
-# [1024, SEARCH_FAN] probe rounds are 128 loads a thread with 4 warps); in the
-# single-program launch FUSED_TABLE_BLOCK tiles a pass on FUSED_TABLE_WARPS warps.
+# Tile table (`benchmarks/results/dispatch_tables_{b42741b,7f780b3}.json`, H200, session
+# 30): on many programs TABLE_BLOCK tiles each (256: 16 us at 2^26 ids against 90-95 us
+# with 1024, whose [1024, SEARCH_FAN] probe rounds are 128 loads a thread with 4 warps);
+# in the single-program launch FUSED_TABLE_BLOCK tiles a pass on FUSED_TABLE_WARPS warps
+# (one rank's ~1M ids in 1K-id tiles: 12.4 us with 512 against 16.8 with 1024).
 TABLE_BLOCK = 256
-FUSED_TABLE_BLOCK = 1024
+FUSED_TABLE_BLOCK = 512
 FUSED_TABLE_WARPS = 16
 # The searches of the tile table are k-ary: each round loads SEARCH_FAN probes per tile
 # and keeps one of SEARCH_FAN + 1 sub-ranges, so a key of B segments takes
@@ -150,6 +151,11 @@ SEARCH_FAN = 16
 # Segment offsets: one program scans the lengths SEG_BLOCK_MAX at a time (32K segments:
 # 30.5 us with 2048, 32.6 with 8192, 40 with 16384).
 SEG_BLOCK_MAX = 2048
+# Beyond one program's pass (calls past FUSED_TABLES_MAX_TILES tiles with more than
+# SEG_SCAN_BLOCK segments) the segment offsets run on SEG_SCAN_BLOCK-segment programs:
+# one program took 30.5 us for 32K segments on an H200 (dispatch_tables_7f780b3.json).
+SEG_SCAN_BLOCK = 2048
+SEG_SUMS_BLOCK = 1024  # block sums a scan program adds per pass
 _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles; up to ~2M ids with 1K-id
 # tiles) the segment offsets and the tile table are one single-program launch
@@ -319,10 +325,7 @@ def _segment_offsets(
     lengths_ptr, seg_offsets_ptr, key_tile_first_ptr, num_segments, num_keys, batch,
     TILE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program. seg_offsets (S + 1,) = [0, cumsum(lengths)]; key_tile_first (K + 1,) =
-    [0, cumsum(max(1, ceil(ids of key k / TILE)))]: key k owns tiles
-    [key_tile_first[k], key_tile_first[k + 1]) (an empty key one empty tile, which owns
-    its segments and writes their zero lengths)."""
+    """One program. seg_offsets (S + 1,) = [0, cumsum(lengths)], then `_key_tile_offsets`."""
     lane = tl.arange(0, BLOCK)
     carry = tl.full([], 0, tl.int64)
     tl.store(seg_offsets_ptr, carry)
@@ -335,6 +338,17 @@ def _segment_offsets(
         carry += tl.sum(n, 0)
         first += BLOCK
     tl.debug_barrier()  # the offsets written above are read back below by other threads
+    _key_tile_offsets(seg_offsets_ptr, key_tile_first_ptr, num_keys, batch, TILE, BLOCK)
+
+
+@triton.jit
+def _key_tile_offsets(seg_offsets_ptr, key_tile_first_ptr, num_keys, batch, TILE: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """One program. key_tile_first (K + 1,) = [0, cumsum(max(1, ceil(ids of key k /
+    TILE)))] from the segment offsets: key k owns tiles [key_tile_first[k],
+    key_tile_first[k + 1]) (an empty key one empty tile, which owns its segments and
+    writes their zero lengths)."""
+    lane = tl.arange(0, BLOCK)
     tiles_carry = tl.full([], 0, tl.int64)
     tl.store(key_tile_first_ptr, tiles_carry)
     first = 0
@@ -446,6 +460,44 @@ def _v4_segment_kernel(
     """One program: `_segment_offsets`."""
     _segment_offsets(lengths_ptr, seg_offsets_ptr, key_tile_first_ptr, num_segments, num_keys,
                      batch, TILE, BLOCK)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_segments"])
+def _v4_seg_sums_kernel(lengths_ptr, block_sums_ptr, num_segments, BLOCK: tl.constexpr):
+    """Program b: block_sums[b] = the sum of lengths[b * BLOCK : (b + 1) * BLOCK] (int64),
+    the first pass of the many-program segment offsets."""
+    b = tl.program_id(0)
+    offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(lengths_ptr + offs, mask=offs < num_segments, other=0).to(tl.int64)
+    tl.store(block_sums_ptr + b, tl.sum(n, 0))
+
+
+@triton.jit(do_not_specialize=["num_segments"])
+def _v4_seg_scan_kernel(lengths_ptr, block_sums_ptr, seg_offsets_ptr, num_segments,
+                        BLOCK: tl.constexpr, SUMS_BLOCK: tl.constexpr):  # fmt: skip
+    """Program b: seg_offsets[1 + i] for i in block b = the sum of the block sums before
+    b (SUMS_BLOCK at a time) + the inclusive cumsum within the block; program 0 also
+    writes seg_offsets[0] = 0. Same values as `_segment_offsets`'s single pass."""
+    b = tl.program_id(0)
+    carry = tl.full([], 0, tl.int64)
+    j = tl.arange(0, SUMS_BLOCK)
+    first = 0
+    while first < b:
+        carry += tl.sum(tl.load(block_sums_ptr + first + j, mask=first + j < b, other=0), 0)
+        first += SUMS_BLOCK
+    offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_segments
+    n = tl.load(lengths_ptr + offs, mask=mask, other=0).to(tl.int64)
+    tl.store(seg_offsets_ptr + 1 + offs, tl.cumsum(n, 0) + carry, mask=mask)
+    if b == 0:
+        tl.store(seg_offsets_ptr, carry)
+
+
+@triton.jit(do_not_specialize=["num_keys", "batch"])
+def _v4_key_tiles_kernel(seg_offsets_ptr, key_tile_first_ptr, num_keys, batch,
+                         TILE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One program: `_key_tile_offsets` (after the many-program segment offsets)."""
+    _key_tile_offsets(seg_offsets_ptr, key_tile_first_ptr, num_keys, batch, TILE, BLOCK)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_keys", "batch"])
@@ -1047,10 +1099,12 @@ def launch_tables(
     num_tiles: int,
     tile: int,
 ) -> None:
-    """Steps 1-2 (also v5's): segment offsets and the first tile of every key (one
-    program), then the tile table ``(tile_key, tile_start, tile_end, tile_seg_lo,
-    tile_seg_hi)`` by k-ary searches (`_first_at_least`); one launch when one program
-    covers every tile."""
+    """Steps 1-2 (also v5's): segment offsets and the first tile of every key, then the
+    tile table ``(tile_key, tile_start, tile_end, tile_seg_lo, tile_seg_hi)`` by k-ary
+    searches (`_first_at_least`). Up to `FUSED_TABLES_MAX_TILES` tiles: one
+    single-program launch. Beyond: the offsets by one program up to `SEG_SCAN_BLOCK`
+    segments, else by `SEG_SCAN_BLOCK`-segment programs (block sums, scan, key tiles:
+    three launches), then the table on many programs."""
     nseg = num_keys * batch
     block = min(SEG_BLOCK_MAX, max(128, next_power_of_2(max(nseg, num_keys))))
     seg_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
@@ -1063,16 +1117,31 @@ def launch_tables(
             SEG_BLOCK=block, BLOCK=FUSED_TABLE_BLOCK,
             num_warps=max(seg_warps, FUSED_TABLE_WARPS),
         )  # fmt: skip
-    else:
+        return
+    if nseg <= SEG_SCAN_BLOCK:
         _v4_segment_kernel[(1,)](
             lengths, seg_offsets, key_tile_first, nseg, num_keys, batch, TILE=tile,
             BLOCK=block, num_warps=seg_warps,
         )  # fmt: skip
-        _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
-            seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=tile,
-            KEY_ROUNDS=key_rounds, SEG_ROUNDS=seg_rounds, FAN=SEARCH_FAN, BLOCK=TABLE_BLOCK,
-            num_warps=4,
+    else:
+        sb = SEG_SCAN_BLOCK
+        nb = cdiv(nseg, sb)
+        block_sums = torch.empty(nb, dtype=torch.int64, device=lengths.device)
+        warps = 8 if sb >= 2048 else 4
+        _v4_seg_sums_kernel[(nb,)](lengths, block_sums, nseg, BLOCK=sb, num_warps=warps)
+        _v4_seg_scan_kernel[(nb,)](
+            lengths, block_sums, seg_offsets, nseg, BLOCK=sb, SUMS_BLOCK=SEG_SUMS_BLOCK,
+            num_warps=warps,
         )  # fmt: skip
+        kb = min(SEG_BLOCK_MAX, max(128, next_power_of_2(num_keys)))
+        _v4_key_tiles_kernel[(1,)](
+            seg_offsets, key_tile_first, num_keys, batch, TILE=tile, BLOCK=kb, num_warps=4
+        )  # fmt: skip
+    _v4_tile_table_kernel[(cdiv(num_tiles, TABLE_BLOCK),)](
+        seg_offsets, key_tile_first, *table, num_tiles, num_keys, batch, TILE=tile,
+        KEY_ROUNDS=key_rounds, SEG_ROUNDS=seg_rounds, FAN=SEARCH_FAN, BLOCK=TABLE_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
 
 
 def launch_finish_rows(
