@@ -70,3 +70,23 @@ def spawn_ranks(target: Callable[..., None], world: int, *args: Any, timeout: fl
         if p.exitcode != 0:
             raise RuntimeError(f"rank process exited with {p.exitcode} ({target.__name__}{args})")
     return result
+
+
+def kernel_device_ms(fn: Callable[[], Any], calls: int = 5) -> dict[str, float]:
+    """Device ms per call of ``fn`` per CUDA kernel name (torch.profiler; one warm-up call
+    first), largest first."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            out[ev.name[:60]] += ev.device_time_total / 1e3 / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -12,7 +12,8 @@ setting below is run, its seven outputs compared bit for bit with a plain torch
 reference (cumsum, searchsorted), and its kernels timed with torch.profiler (device time
 per call, summed over the table kernels).
 
-Usage (one H200, well under a minute; a CPU smoke run with TRITON_INTERPRET=1 --smoke):
+Usage (one H200, about a minute; a CPU check of the many-program path, no timing, with
+TRITON_INTERPRET=1 ... --smoke, run by tests/test_kernels_v4.py):
 
     PYTHONPATH=src python benchmarks/dispatch_tables.py --out DIR --git-sha SHA
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figure import figure_header, write_figure  # noqa: E402
+from _figure import figure_header, kernel_device_ms, write_figure  # noqa: E402
 from freescale.kernels import triton_dispatch_v4 as v4  # noqa: E402
 from freescale.kernels.common import cdiv  # noqa: E402
 from kernels import _git_sha, make_workload  # noqa: E402
@@ -101,23 +101,6 @@ def run_tables(lengths: torch.Tensor, num_keys: int, batch: int, num_tiles: int,
     return bufs
 
 
-def device_us(fn, calls: int) -> dict[str, float]:
-    """Device us per call per kernel name (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            out[ev.name[:60]] += ev.device_time_total / calls
-    return dict(out)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -136,6 +119,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             ("per_rank", make_workload("per_rank", 128, None, dev, seed=0, smoke=False)),
         ]
         tiles = [1024, 4096]  # v4's per-rank tile; v5's at 2^26 ids from W = 512
+    settings = list(SETTINGS)
+    fused_max = v4.FUSED_TABLES_MAX_TILES
+    if args.smoke:  # the many-program path, with several offset programs and table blocks
+        v4.FUSED_TABLES_MAX_TILES = 0
+        settings.append((2048, 16, 16, 16, 4, 8))
     rows, bad = [], 0
     try:
         for name, wl in workloads:
@@ -145,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for tile in tiles:
                 num_tiles = n // tile + num_keys
                 want = reference_tables(lengths, num_keys, wl["batch"], num_tiles, tile)
-                for setting in SETTINGS:
+                for setting in settings:
                     for knob, value in zip(KNOBS, setting):
                         setattr(v4, knob, value)
                     got = run_tables(lengths, num_keys, wl["batch"], num_tiles, tile)
@@ -159,8 +147,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         row["wrong_fields"] = wrong
                     if cuda:
                         call = (lengths, num_keys, wl["batch"], num_tiles, tile)
-                        kern = device_us(partial(run_tables, *call), args.calls)
-                        tables = {k: v for k, v in kern.items() if "_v4_" in k}
+                        kern = kernel_device_ms(partial(run_tables, *call), args.calls)
+                        tables = {k: v * 1e3 for k, v in kern.items() if "_v4_" in k}
                         row["kernels_us"] = tables
                         row["total_us"] = sum(tables.values())
                     rows.append(row)
@@ -173,6 +161,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         for knob, value in zip(KNOBS, DEFAULT):
             setattr(v4, knob, value)
+        v4.FUSED_TABLES_MAX_TILES = fused_max
     headline = {"mismatches": bad}
     if cuda:
         for name, _ in workloads:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +38,7 @@ from freescale.kernels import reference
 from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figure import figure_header, write_figure  # noqa: E402
+from _figure import figure_header, kernel_device_ms, write_figure  # noqa: E402
 from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  # noqa: E402
 
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
@@ -154,19 +153,7 @@ def check(v5, g: torch.Generator) -> int:
 
 def profile_one(fn, calls: int = 5) -> dict[str, float]:
     """Device ms per call per kernel name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            out[ev.name[:60]] += ev.device_time_total / 1e3 / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return kernel_device_ms(fn, calls)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

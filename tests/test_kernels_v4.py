@@ -307,6 +307,24 @@ def test_kary_search_matches_searchsorted(gen, fan):
             assert int(out[q]) == want, (strict, q, a, b, int(target[q]))
 
 
+def test_dispatch_tables_benchmark_smoke(capsys):
+    """`benchmarks/dispatch_tables.py --smoke`: every table setting through the
+    many-program path matches its torch reference (cumsum, searchsorted) in the
+    interpreter; exit status 0 and no mismatch printed."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        tables = importlib.import_module("dispatch_tables")
+        assert tables.main(["--smoke"]) == 0
+    finally:
+        sys.path.pop(0)
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and "EQUAL" in out
+    assert "'mismatches': 0" in out
+
+
 def test_search_rounds():
     """Each round of a k-ary search over n entries leaves at most ceil(n / fan) - 1."""
     v4 = _v4()
