@@ -80,6 +80,19 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                              "scatter": "ranks"},
     "ranks_t2048_c8_s8_u4": {"tile": 2048, "count_warps": 8, "scatter_warps": 8, "unroll": 4,
                              "scatter": "ranks"},
+    # session 30: counts stored in the scan's order (no transpose), finish blocks
+    "v5_t2048_w4_u4_cols": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4,
+                            "counts": "columns"},
+    "ranks_t2048_c4_s8_u4_cols": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                  "unroll": 4, "scatter": "ranks", "counts": "columns"},
+    "ranks_t4096_c8_s16_u2_cols": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                   "unroll": 2, "scatter": "ranks", "counts": "columns"},
+    "ranks_t2048_c4_s8_u4_f64": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "finish_block": 64},
+    "ranks_t2048_c4_s8_u4_f16": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "finish_block": 16},
+    "ranks_t4096_c8_s16_u2_f64": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 2, "scatter": "ranks", "finish_block": 64},
     "ranks_t4096_c16_s16_u2": {"tile": 4096, "count_warps": 16, "scatter_warps": 16,
                                "unroll": 2, "scatter": "ranks"},
     "ranks_t4096_c4_s16_u2": {"tile": 4096, "count_warps": 4, "scatter_warps": 16, "unroll": 2,
@@ -129,6 +142,13 @@ def check(v5, g: torch.Generator) -> int:
                         v5.V5Config(scatter="ranks"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks"),
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    counts="columns"),
+                        v5.V5Config(tile=1024, count_warps=8, scatter_warps=4, unroll=8,
+                                    scatter="ranks", counts="columns"),
+                        v5.V5Config(scatter="ranks", counts="columns"),
+                        v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
+                                    scatter="ranks", counts="columns"),
                     ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue

@@ -72,6 +72,8 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(unroll=3))
     with pytest.raises(ValueError, match="scatter must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(scatter="sorted"))
+    with pytest.raises(ValueError, match="counts must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(counts="cols"))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -115,22 +117,22 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype,scatter",
+    "world,tile,warps,unroll,modulo,dtype,scatter,counts",
     [
-        (1, 256, 1, 1, False, "int32", "staged"),
-        (7, 256, 2, 2, True, "int64", "staged"),
-        (1000, 1024, 8, 8, False, "int32", "staged"),
-        (1024, 4096, 8, 4, False, "int64", "staged"),
-        (4096, 2048, 4, 4, True, "int64", "staged"),
-        (1, 256, 1, 1, False, "int32", "ranks"),
-        (7, 256, 8, 2, True, "int64", "ranks"),
-        (1024, 4096, 8, 4, False, "int64", "ranks"),
-        (4096, 2048, 4, 4, True, "int32", "ranks"),
-        (1023, 4096, 16, 2, False, "int64", "ranks"),
+        (1, 256, 1, 1, False, "int32", "staged", "rows"),
+        (7, 256, 2, 2, True, "int64", "staged", "columns"),
+        (1000, 1024, 8, 8, False, "int32", "staged", "rows"),
+        (1024, 4096, 8, 4, False, "int64", "staged", "rows"),
+        (4096, 2048, 4, 4, True, "int64", "staged", "columns"),
+        (1, 256, 1, 1, False, "int32", "ranks", "rows"),
+        (7, 256, 8, 2, True, "int64", "ranks", "rows"),
+        (1024, 4096, 8, 4, False, "int64", "ranks", "columns"),
+        (4096, 2048, 4, 4, True, "int32", "ranks", "rows"),
+        (1023, 4096, 16, 2, False, "int64", "ranks", "rows"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
-    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter
+    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -142,7 +144,7 @@ import json
 import torch
 from freescale.kernels import triton_dispatch_v5 as v5
 cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
-                  scatter="{scatter}")
+                  scatter="{scatter}", counts="{counts}")
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")

@@ -428,14 +428,18 @@ def _v5_count_kernel(
     counts_ptr,
     snaps_ptr,
     seg_tile_ptr,
+    num_tiles,
     WORLD: gl.constexpr,
     MODULO: gl.constexpr,
     NW: gl.constexpr,
     WP: gl.constexpr,
     U: gl.constexpr,
+    COLUMNS: gl.constexpr,
 ):
-    """Tile t: counts[t, d] (ids of dest d in the tile; a contiguous row, transposed to
-    v4's [dest][tile] order on the host), and before the piece of each
+    """Tile t: the ids of each dest d in the tile, as counts[t, d] (a contiguous row,
+    transposed to v4's [dest][tile] order on the host) or, COLUMNS, straight into that
+    order at counts[d, t] (W stores num_tiles words apart; adjacent tiles fill each
+    sector while it sits in L2), and before the piece of each
     segment s it owns, snaps[s, :] = the counters then and seg_tile[s] = t (what v4's
     `_v4_rank_rows_kernel` writes, without the per-id ranks). Counters: W int32 at the
     reserved buffer's start."""
@@ -479,7 +483,10 @@ def _v5_count_kernel(
         dd = b + e
         dm = dd < WORLD
         total = _sh_ld32(gl.where(dm, dd, 0) * 4)
-        gl.store(counts_ptr + t.to(gl.int64) * WORLD + dd, total, mask=dm)
+        if COLUMNS:
+            gl.store(counts_ptr + dd.to(gl.int64) * num_tiles + t, total, mask=dm)
+        else:
+            gl.store(counts_ptr + t.to(gl.int64) * WORLD + dd, total, mask=dm)
     _keep_live(buf, counts_ptr, t, layout, CH)
 
 
@@ -746,6 +753,9 @@ class V5Config:
         input order that ranks and places) or "ranks" (`_v5_scatter_ranks_kernel`: the
         loop in input order only ranks; placement runs after it in any order; needs
         tile >= 32 * scatter_warps).
+    counts: how the count kernel hands the per-(tile, dest) counts to the scan: "rows"
+        ([tile][dest] rows, then `transpose_2d`) or "columns" (stored in the scan's
+        [dest][tile] order by the count kernel itself: one launch and one copy less).
     """
 
     tile: int = 4096
@@ -754,6 +764,7 @@ class V5Config:
     finish_block: int = 32
     unroll: int = 4
     scatter: str = "staged"
+    counts: str = "rows"
 
 
 def default_config_v5(world_size: int) -> V5Config:
@@ -770,6 +781,7 @@ def default_config_v5(world_size: int) -> V5Config:
 
 
 SCATTERS = ("staged", "ranks")
+COUNTS = ("rows", "columns")
 
 
 def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
@@ -795,6 +807,8 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"unroll must be 1, 2, 4 or 8, got {cfg.unroll}")
     if cfg.scatter not in SCATTERS:
         raise ValueError(f"scatter must be one of {SCATTERS}, got {cfg.scatter!r}")
+    if cfg.counts not in COUNTS:
+        raise ValueError(f"counts must be one of {COUNTS}, got {cfg.counts!r}")
     if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
         raise ValueError(
             f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
@@ -891,8 +905,9 @@ def compile_v5(
         _v5_count_kernel,
         {"values_ptr": vt, "block_sizes_ptr": vt, "seg_offsets_ptr": i64, **table,
          "tile_seg_lo_ptr": i64, "tile_seg_hi_ptr": i64, "counts_ptr": "*i32",
-         "snaps_ptr": "*i32", "seg_tile_ptr": "*i32"},
-        {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": count_words, "U": cfg.unroll},
+         "snaps_ptr": "*i32", "seg_tile_ptr": "*i32", "num_tiles": "i32"},
+        {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": count_words, "U": cfg.unroll,
+         "COLUMNS": cfg.counts == "columns"},
         cw,
     )  # fmt: skip
     check_layout(count, [count_words * 4])
@@ -964,17 +979,20 @@ def ranged_dispatch_v5(
         _v5_count_kernel,
         (num_tiles,),
         (values, block_sizes, seg_offsets, tile_key, tile_start, tile_end, tile_seg_lo,
-         tile_seg_hi, counts, snaps, seg_tile),
+         tile_seg_hi, counts, snaps, seg_tile, num_tiles),
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": max(wp, cw * 32),
-         "U": cfg.unroll, "num_warps": cw},
+         "U": cfg.unroll, "COLUMNS": cfg.counts == "columns", "num_warps": cw},
         [max(wp, cw * 32) * 4],
     )  # fmt: skip
 
-    # 4-5. v4's scan (over [dest][tile]: the count kernel's [tile][dest] rows transposed,
-    # a copy instead of W strided 4-byte stores per tile) and finish pass: et rows,
-    # lengths, splits, key counts
-    scan = torch.cumsum(transpose_2d(counts.view(num_tiles, world_size)).view(-1), 0,
-                        dtype=index_dtype)  # fmt: skip
+    # 4-5. v4's scan over [dest][tile] (counts="columns": as the count kernel stored them;
+    # "rows": its [tile][dest] rows transposed) and finish pass: et rows, lengths, splits,
+    # key counts
+    if cfg.counts == "columns":
+        scan = torch.cumsum(counts, 0, dtype=index_dtype)
+    else:
+        scan = torch.cumsum(transpose_2d(counts.view(num_tiles, world_size)).view(-1), 0,
+                            dtype=index_dtype)  # fmt: skip
     et = et[0] if et else torch.empty(tw, dtype=index_dtype, device=dev)
     new_lengths = torch.empty(world_size * nseg, dtype=lengths.dtype, device=dev)
     splits = torch.empty(world_size, dtype=torch.int64, device=dev)
