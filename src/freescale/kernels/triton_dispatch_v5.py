@@ -756,6 +756,11 @@ class V5Config:
     counts: how the count kernel hands the per-(tile, dest) counts to the scan: "rows"
         ([tile][dest] rows, then `transpose_2d`) or "columns" (stored in the scan's
         [dest][tile] order by the count kernel itself: one launch and one copy less).
+        Measured at 2^26 ids (`dispatch_v5_bcf9972.json`, H200): at W = 8 and 32 the
+        count kernel took the same time either way, so "columns" saved the transpose
+        (3.6-4.4 us); at W = 128 its strided stores cost 13 us more than the transpose's
+        9; at W = 1024, 194-547 us more than its 34. The default stays "rows"
+        everywhere (what `kernels.json` measured).
     """
 
     tile: int = 4096
