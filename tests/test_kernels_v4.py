@@ -183,21 +183,25 @@ class _Counted:
 
 
 @pytest.mark.parametrize(
-    "table_block, fused_max, fan, scan_block",
+    "table_block, fused_max, fan, scan_block, sums_max",
     [
-        (16, 1 << 30, 16, 4),
-        (16, 0, 2, 4),
-        (1024, 0, 4, 1 << 20),
-        (16, 1 << 30, 2, 4),
-        (64, 0, 16, 8),
+        (16, 1 << 30, 16, 4, 4096),
+        (16, 0, 2, 4, 4096),
+        (1024, 0, 4, 1 << 20, 4096),
+        (16, 1 << 30, 2, 4, 4096),
+        (64, 0, 16, 8, 4096),
+        (16, 0, 16, 4, 1),
     ],
 )
-def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, fan, scan_block):
+def test_v4_tables_one_launch_or_two(
+    gen, monkeypatch, table_block, fused_max, fan, scan_block, sums_max
+):
     """The segment offsets and the tile table as one single-program launch (looping over
     several table blocks when ``FUSED_TABLE_BLOCK`` is small) or as separate launches
     (the path past `FUSED_TABLES_MAX_TILES` tiles: the offsets by one program up to
     `SEG_SCAN_BLOCK` segments, by many programs beyond, whose prefix loop adds
-    `SEG_SUMS_BLOCK` = 2 block sums a pass here), with several search fans
+    `SEG_SUMS_BLOCK` = 2 block sums a pass here, or, past `SEG_SUMS_MAX_BLOCKS` blocks,
+    which read the prefix that one more launch made), with several search fans
     (`SEARCH_FAN`: the rounds follow it): the reference's bits either way, and the
     launches are the ones chosen. A fixed case with 40+ tiles makes the fused loop run
     3+ times."""
@@ -208,6 +212,8 @@ def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, f
     monkeypatch.setattr(v4, "SEARCH_FAN", fan)
     monkeypatch.setattr(v4, "SEG_SCAN_BLOCK", scan_block)
     monkeypatch.setattr(v4, "SEG_SUMS_BLOCK", 2)
+    monkeypatch.setattr(v4, "SEG_SUMS_MAX_BLOCKS", sums_max)
+    monkeypatch.setattr(v4, "SEG_SUMS_SCAN_BLOCK", 2)  # several passes
     kernels = _count_table_launches(monkeypatch, v4)
     many = torch.randint(0, 5000, (700,), generator=gen)
     fixed = (many, torch.tensor([0, 300, 1, 399, 0, 0]), torch.tensor([700, 1200]), 8)
@@ -230,11 +236,13 @@ def test_v4_tables_one_launch_or_two(gen, monkeypatch, table_block, fused_max, f
     assert kernels["_v4_tile_table_kernel"].launches == calls - fused
     if not fused_max and scan_block == 4:
         assert scans > 0  # the many-program offsets ran
+    prefixed = kernels["_v4_sums_scan_kernel"].launches
+    assert prefixed == (scans if sums_max == 1 else 0)
 
 
 def _count_table_launches(monkeypatch, v4) -> dict:
     names = ("_v4_tables_kernel", "_v4_segment_kernel", "_v4_seg_scan_kernel",
-             "_v4_tile_table_kernel")  # fmt: skip
+             "_v4_sums_scan_kernel", "_v4_tile_table_kernel")  # fmt: skip
     kernels = {name: _Counted(getattr(v4, name)) for name in names}
     for name, counted in kernels.items():
         monkeypatch.setattr(v4, name, counted)

@@ -166,6 +166,47 @@ print(json.dumps({{
 
 
 @needs_ptxas
+@needs_ptxas
+def test_table_kernels_compile_for_sm90(tmp_path) -> None:
+    """v4's and v5's table launches (`triton_dispatch_v4.launch_tables`) compile for sm_90:
+    the many-program segment offsets in both prefix modes (the prefixed one, used past
+    `SEG_SUMS_MAX_BLOCKS` blocks, runs in CI's interpreter only), the block-sum scan and
+    the k-ary tile table."""
+    got = _run_fresh(
+        tmp_path,
+        """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freescale.kernels import triton_dispatch_v4 as v4
+
+def build(fn, sig, const, warps):
+    src = ASTSource(fn, signature={**sig, **dict.fromkeys(const, "constexpr")}, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+i64 = "*i64"
+done = []
+for prefixed in (False, True):
+    build(v4._v4_seg_scan_kernel,
+          {"lengths_ptr": i64, "block_sums_ptr": i64, "seg_offsets_ptr": i64,
+           "num_segments": "i32"},
+          {"BLOCK": 2048, "SUMS_BLOCK": 1024, "PREFIXED": prefixed}, 8)
+    done.append(f"scan prefixed={prefixed}")
+build(v4._v4_sums_scan_kernel, {"block_sums_ptr": i64, "num_blocks": "i32"}, {"BLOCK": 2048}, 8)
+done.append("sums scan")
+table = {"seg_offsets_ptr": i64, "key_tile_first_ptr": i64, "tile_key_ptr": "*i32",
+         "tile_start_ptr": i64, "tile_end_ptr": i64, "tile_seg_lo_ptr": i64,
+         "tile_seg_hi_ptr": i64, "num_tiles": "i32", "num_keys": "i32", "batch": "i32"}
+build(v4._v4_tile_table_kernel, table,
+      {"TILE": 4096, "KEY_ROUNDS": 1, "SEG_ROUNDS": 4, "FAN": 16, "BLOCK": 256}, 4)
+done.append("tile table")
+print(json.dumps(done))
+""",
+    )
+    assert got == ["scan prefixed=False", "scan prefixed=True", "sums scan", "tile table"]
+
+
 def test_layout_check_catches_a_wrong_assumption(tmp_path) -> None:
     """Mutations of what `check_layout` is told (a missing buffer, the wrong order) and a
     kernel whose op needs scratch shared memory are all refused."""

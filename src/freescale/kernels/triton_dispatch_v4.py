@@ -156,6 +156,11 @@ SEG_BLOCK_MAX = 2048
 # one program took 30.5 us for 32K segments on an H200 (dispatch_tables_7f780b3.json).
 SEG_SCAN_BLOCK = 2048
 SEG_SUMS_BLOCK = 1024  # block sums a scan program adds per pass
+# Up to this many offset blocks (8M segments) each scan program adds the earlier blocks'
+# sums itself (at most SEG_SUMS_MAX_BLOCKS^2 / 2 loads in all, from L2); beyond, one more
+# single-program launch turns the block sums into their prefix first.
+SEG_SUMS_MAX_BLOCKS = 4096
+SEG_SUMS_SCAN_BLOCK = 2048  # block sums per pass of that launch
 _CARVE_ALIGN = 512  # bytes: where `_carve` starts each scratch view
 # Up to this many tiles (one rank's ~1M ids: ~980 1K-id tiles; up to ~2M ids with 1K-id
 # tiles) the segment offsets and the tile table are one single-program launch
@@ -472,25 +477,46 @@ def _v4_seg_sums_kernel(lengths_ptr, block_sums_ptr, num_segments, BLOCK: tl.con
     tl.store(block_sums_ptr + b, tl.sum(n, 0))
 
 
+@triton.jit(do_not_specialize=["num_blocks"])
+def _v4_sums_scan_kernel(block_sums_ptr, num_blocks, BLOCK: tl.constexpr):
+    """One program: block_sums becomes its exclusive prefix sum, in place, BLOCK at a time
+    (for calls with more than `SEG_SUMS_MAX_BLOCKS` offset blocks, where every scan
+    program adding all earlier block sums itself would be quadratic)."""
+    j = tl.arange(0, BLOCK)
+    carry = tl.full([], 0, tl.int64)
+    first = 0
+    while first < num_blocks:
+        m = first + j < num_blocks
+        x = tl.load(block_sums_ptr + first + j, mask=m, other=0)
+        tl.store(block_sums_ptr + first + j, tl.cumsum(x, 0) - x + carry, mask=m)
+        carry += tl.sum(x, 0)
+        first += BLOCK
+
+
 @triton.jit(do_not_specialize=["num_segments"])
 def _v4_seg_scan_kernel(lengths_ptr, block_sums_ptr, seg_offsets_ptr, num_segments,
-                        BLOCK: tl.constexpr, SUMS_BLOCK: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, SUMS_BLOCK: tl.constexpr,
+                        PREFIXED: tl.constexpr):  # fmt: skip
     """Program b: seg_offsets[1 + i] for i in block b = the sum of the block sums before
-    b (SUMS_BLOCK at a time) + the inclusive cumsum within the block; program 0 also
-    writes seg_offsets[0] = 0. Same values as `_segment_offsets`'s single pass."""
+    b (PREFIXED: block_sums[b], already an exclusive prefix sum; else added here,
+    SUMS_BLOCK at a time) + the inclusive cumsum within the block; program 0 also writes
+    seg_offsets[0] = 0. Same values as `_segment_offsets`'s single pass."""
     b = tl.program_id(0)
-    carry = tl.full([], 0, tl.int64)
-    j = tl.arange(0, SUMS_BLOCK)
-    first = 0
-    while first < b:
-        carry += tl.sum(tl.load(block_sums_ptr + first + j, mask=first + j < b, other=0), 0)
-        first += SUMS_BLOCK
+    if PREFIXED:
+        carry = tl.load(block_sums_ptr + b)
+    else:
+        carry = tl.full([], 0, tl.int64)
+        j = tl.arange(0, SUMS_BLOCK)
+        first = 0
+        while first < b:
+            carry += tl.sum(tl.load(block_sums_ptr + first + j, mask=first + j < b, other=0), 0)
+            first += SUMS_BLOCK
     offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_segments
     n = tl.load(lengths_ptr + offs, mask=mask, other=0).to(tl.int64)
     tl.store(seg_offsets_ptr + 1 + offs, tl.cumsum(n, 0) + carry, mask=mask)
     if b == 0:
-        tl.store(seg_offsets_ptr, carry)
+        tl.store(seg_offsets_ptr, carry)  # 0: no blocks before block 0
 
 
 @triton.jit(do_not_specialize=["num_keys", "batch"])
@@ -1104,7 +1130,8 @@ def launch_tables(
     searches (`_first_at_least`). Up to `FUSED_TABLES_MAX_TILES` tiles: one
     single-program launch. Beyond: the offsets by one program up to `SEG_SCAN_BLOCK`
     segments, else by `SEG_SCAN_BLOCK`-segment programs (block sums, scan, key tiles:
-    three launches), then the table on many programs."""
+    three launches; four past `SEG_SUMS_MAX_BLOCKS` blocks), then the table on many
+    programs."""
     nseg = num_keys * batch
     block = min(SEG_BLOCK_MAX, max(128, next_power_of_2(max(nseg, num_keys))))
     seg_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
@@ -1129,9 +1156,12 @@ def launch_tables(
         block_sums = torch.empty(nb, dtype=torch.int64, device=lengths.device)
         warps = 8 if sb >= 2048 else 4
         _v4_seg_sums_kernel[(nb,)](lengths, block_sums, nseg, BLOCK=sb, num_warps=warps)
+        prefixed = nb > SEG_SUMS_MAX_BLOCKS
+        if prefixed:
+            _v4_sums_scan_kernel[(1,)](block_sums, nb, BLOCK=SEG_SUMS_SCAN_BLOCK, num_warps=8)
         _v4_seg_scan_kernel[(nb,)](
             lengths, block_sums, seg_offsets, nseg, BLOCK=sb, SUMS_BLOCK=SEG_SUMS_BLOCK,
-            num_warps=warps,
+            PREFIXED=prefixed, num_warps=warps,
         )  # fmt: skip
         kb = min(SEG_BLOCK_MAX, max(128, next_power_of_2(num_keys)))
         _v4_key_tiles_kernel[(1,)](
