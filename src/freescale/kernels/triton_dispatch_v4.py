@@ -385,12 +385,11 @@ def _first_at_least(ptr, lo, hi, target, active, STRICT: tl.constexpr, ROUNDS: t
                     FAN: tl.constexpr):  # fmt: skip
     """Per element of the [BLOCK] vectors: the first s in [lo, hi) with ptr[s] >= target
     (> target if STRICT), hi if none; ptr[lo:hi] must be non-decreasing; FAN a power of
-    two. A k-ary search:
-    each round loads FAN probes (lo + (i + 1) * step - 1, step = ceil((hi - lo) / FAN))
-    as one [BLOCK, FAN] load; the c probes below the target are a prefix, so the answer
-    lies in [lo + c * step, min(lo + (c + 1) * step - 1, hi)]: at most step - 1
-    candidates remain. ROUNDS = `search_rounds(hi - lo)` rounds end with lo == hi (the
-    answer). Inactive elements load nothing."""
+    two. A k-ary search: each round loads FAN probes (lo + (i + 1) * step - 1, step =
+    ceil((hi - lo) / FAN)) as one [BLOCK, FAN] load; the c probes below the target are a
+    prefix, so the answer lies in [lo + c * step, min(lo + (c + 1) * step - 1, hi)]: at
+    most step - 1 candidates remain. ROUNDS = `search_rounds(hi - lo, FAN)` rounds end
+    with lo == hi (the answer). Inactive elements load nothing."""
     probe = (tl.arange(0, FAN) + 1)[None, :]
     for _ in tl.static_range(ROUNDS):
         n = hi - lo
