@@ -4,6 +4,9 @@ single-process job end to end and writes its summary."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -133,6 +136,12 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
     [
         (["--balance", "sticky2", "--balance-refit-every", "5"], "'sticky2'"),
         (["--balance", "fbs", "--balance-alpha", "-1"], "alpha"),
+        (["--global-batch-size", "6", "--nproc", "4"], "--global-batch-size 6"),
+        (["--source", "movielens"], "--data-path"),
+        (["--num-items", "0"], "num_items"),
+        (["--embedding-dim", "0"], "embedding_dim"),
+        (["--num-heads", "3", "--embedding-dim", "32"], "num_heads 3"),
+        (["--source", "movielens", "--data-path", "/no/such/ml.inter"], "/no/such/ml.inter"),
     ],
 )
 def test_bad_flag_combination_is_one_line_not_a_traceback(capsys, flags, names):
@@ -142,3 +151,32 @@ def test_bad_flag_combination_is_one_line_not_a_traceback(capsys, flags, names):
     err = capsys.readouterr().err
     assert err.startswith("freescale train: error: ") and names in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_nproc_must_be_a_positive_whole_number(capsys, value):
+    """``--nproc 0`` is a usage error, not an assertion deep in torch's launcher."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--nproc", value, "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nproc" in err and "Traceback" not in err, err
+
+
+def test_failed_rank_ends_in_one_line_naming_it(tmp_path):
+    """A rank that raises ends ``freescale train`` with exit code 1: torch's report
+    (ChildFailedError, root cause) and a last line naming the rank and its error. The
+    file passes the launch check (it exists) and fails in the ranks (no rating)."""
+    bad = tmp_path / "bad.inter"
+    bad.write_text("user_id:token\titem_id:token\ttimestamp:float\n1\t2\t3\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "freescale.cli", "train", "--nproc", "2", "--device", "cpu",
+         "--source", "movielens", "--data-path", str(bad), "--steps", "2"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("freescale: rank "), last
+    assert "failed (exit code 1): ValueError: " in last and "lacks fields ['rating']" in last
+    assert "ChildFailedError" in p.stderr

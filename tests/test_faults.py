@@ -186,6 +186,11 @@ def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     assert "has exited" in line or "heartbeat stopped" in line, line
     # and the launcher names the killed rank as the root cause
     assert "ChildFailedError" in out and "SIGKILL" in out, out
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("freescale: rank 1 failed (exit code -9): ended by SIGKILL")
+    ), out
 
 
 @pytest.mark.parametrize("data_thread", ["off", "on"])

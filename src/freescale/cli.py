@@ -26,10 +26,21 @@ __all__ = ["main", "build_train_config", "run_rank"]
 DEFAULT_STEPS = 400
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a clear usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=None,
         help="local ranks (default: one per GPU, else 2 CPU ranks)",
     )
@@ -339,8 +350,29 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
     if args.dense_lr is not None:
         cfg.dense_lr = args.dense_lr
     cfg.eval_every = args.eval_every if args.eval_every is not None else max(args.steps // 2, 1)
-    DataConfig.__post_init__(data)
+    DataConfig.__post_init__(data)  # the flags were set after construction
+    ModelConfig.__post_init__(model)
     return cfg
+
+
+def check_launch(cfg: TrainConfig, world_size: int) -> None:
+    """What every rank would find wrong at its first step, found before any rank starts
+    (``ValueError`` naming the value): the global batch must split evenly over the
+    ranks (contiguous placement, DESIGN.md section 1), and a MovieLens source needs an
+    existing file or folder."""
+    gb = cfg.data.global_batch_size
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if gb % world_size:
+        raise ValueError(
+            f"--global-batch-size {gb} is not divisible by the {world_size} ranks; "
+            f"choose a multiple of {world_size} (e.g. {max(1, gb // world_size) * world_size})"
+        )
+    if cfg.data.source == "movielens":
+        if not cfg.data.path:
+            raise ValueError("--source movielens needs --data-path (a MovieLens-format file)")
+        if not os.path.exists(cfg.data.path):
+            raise ValueError(f"--data-path {cfg.data.path!r} does not exist")
 
 
 def _cfg_from_dict(d: dict[str, Any]) -> TrainConfig:
@@ -507,6 +539,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # a bad flag combination: one line naming it, before any rank starts
         cfg = build_train_config(args, gpu)
         balance = balance_config_from_args(args)
+        check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
     except ValueError as e:
         print(f"freescale train: error: {e}", file=sys.stderr)
         return 2
@@ -526,18 +559,38 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"({'NCCL, one GPU each' if gpu else 'gloo on CPU'})",
             flush=True,
         )
-    launch_local(run_rank, rank_args, args.nproc, in_torchrun)
-    return 0
+    return launch_local(run_rank, rank_args, args.nproc, in_torchrun)
+
+
+def failure_summary(err: BaseException) -> str:
+    """One line for a failed local launch: the root-cause rank, its exit code, and the
+    last line of its error (``ValueError: ...``) or the signal that ended it."""
+    first = getattr(err, "get_first_failure", None)
+    if first is None:
+        return f"{type(err).__name__}: {err}"
+    rank, failure = first()
+    message = failure.message
+    if isinstance(message, dict):  # the error file of torch's @record handler
+        message = message.get("message", "")
+    lines = [ln.strip() for ln in str(message or "").splitlines() if ln.strip()]
+    what = lines[-1] if lines else "no error message"
+    if failure.exitcode < 0:  # torch makes up the message of a signal
+        what = f"ended by {failure.signal_name()}"
+    return f"rank {rank} failed (exit code {failure.exitcode}): {what}"
 
 
 def launch_local(
     entrypoint: Any, entry_args: tuple, nproc: int, in_torchrun: bool, name: str = "freescale"
-) -> None:
+) -> int:
     """Run ``entrypoint(*entry_args)`` here (under torchrun, or one rank) or on ``nproc``
-    local ranks through torch's elastic launcher (what torchrun uses)."""
+    local ranks through torch's elastic launcher (what torchrun uses). Returns the exit
+    code: 0, or 1 when a local rank failed. Then torch's report (``ChildFailedError``,
+    root cause rank) goes to stderr, its last line a one-line summary
+    (:func:`failure_summary`); each rank's traceback is in the launcher's log above it."""
     if in_torchrun or nproc == 1:
         entrypoint(*entry_args)
-        return
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = LaunchConfig(
@@ -551,7 +604,13 @@ def launch_local(
         monitor_interval=0.5,
         start_method="spawn",
     )
-    elastic_launch(lc, entrypoint=entrypoint)(*entry_args)
+    try:
+        elastic_launch(lc, entrypoint=entrypoint)(*entry_args)
+    except ChildFailedError as e:
+        print(f"ChildFailedError: {e}", file=sys.stderr)
+        print(f"{name}: {failure_summary(e)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

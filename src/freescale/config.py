@@ -103,6 +103,14 @@ class DataConfig:
             raise ValueError(f"need 1 <= min_uih <= max_uih, got {self.min_uih}, {self.max_uih}")
         if self.num_candidates <= 0:
             raise ValueError("num_candidates must be > 0")
+        if self.num_items <= 0 or self.num_actions <= 0:
+            raise ValueError(
+                f"num_items and num_actions must be > 0, got {self.num_items}, {self.num_actions}"
+            )
+        if self.median_uih < 1:
+            raise ValueError(f"median_uih must be >= 1, got {self.median_uih}")
+        if self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples}")
 
 
 @dataclass
@@ -119,6 +127,19 @@ class ModelConfig:
     # cores; fp32 flex backward is ~10x slower), else the model dtype
     attention_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.embedding_dim <= 0:
+            raise ValueError(f"embedding_dim must be > 0, got {self.embedding_dim}")
+        if self.num_layers < 0 or self.num_heads < 1 or self.ffn_mult < 1:
+            raise ValueError(
+                f"need num_layers >= 0, num_heads >= 1 and ffn_mult >= 1, got "
+                f"{self.num_layers}, {self.num_heads}, {self.ffn_mult}"
+            )
+        if self.embedding_dim % self.num_heads:
+            raise ValueError(
+                f"embedding_dim {self.embedding_dim} is not divisible by num_heads {self.num_heads}"
+            )
 
 
 @dataclass

@@ -1259,6 +1259,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     from ..cli import (
         _add_train_flags,
         build_train_config,
+        check_launch,
         launch_local,
         resolve_launch,
         resolve_mode,
@@ -1311,8 +1312,12 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     in_torchrun, gpu = resolve_launch(args)
     args.no_progress = True
     resolve_mode(args)  # --overlap-backend given with --mode freescale applies to every variant
-    cfg = build_train_config(args, gpu)
-    apply_bench_defaults(cfg, {a.split("=")[0] for a in argv}, gpu, args.steps)
+    try:  # a bad value: one usage line naming it, before any rank starts
+        cfg = build_train_config(args, gpu)
+        apply_bench_defaults(cfg, {a.split("=")[0] for a in argv}, gpu, args.steps)
+        check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
+    except ValueError as e:
+        p.error(str(e))
     cfg_dict = json.loads(json.dumps(dataclasses.asdict(cfg)))
     command = "freescale bench e2e " + " ".join(argv)
     warmup = args.warmup_steps if args.warmup_steps is not None else (30 if gpu else 0)
@@ -1326,6 +1331,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
             f"{args.nproc} local ranks ({'NCCL' if gpu else 'gloo on CPU'})",
             flush=True,
         )
-    launch_local(bench_rank, rank_args, args.nproc, in_torchrun, name="freescale-bench")
-    print(f"report: {os.path.join(args.out, 'e2e.json')}", flush=True)
-    return 0
+    rc = launch_local(bench_rank, rank_args, args.nproc, in_torchrun, name="freescale-bench")
+    if rc == 0:
+        print(f"report: {os.path.join(args.out, 'e2e.json')}", flush=True)
+    return rc
