@@ -23,6 +23,11 @@ from freescale.comm import (
 )
 from freescale.comm.base import Done, device_wait, wait_clock
 
+try:
+    from _comm_cases import check_bad_splits
+except ImportError:  # tests/ imported as a package
+    from tests._comm_cases import check_bad_splits
+
 torch.set_num_threads(1)
 
 
@@ -179,6 +184,7 @@ def _rank_job(rank: int, world: int, store: str, big_rows: int) -> None:
         wait_clock.reset()
         for comm in (base, direct, staged):
             _collective_suite(comm, rank, world, big_rows)
+            check_bad_splits(comm, rank, world)
         # every blocking wait() is on the wait clock, by thread, backend and name: once
         # per handle (a second wait() is free), not for a Done (nothing was waited for)
         seen = wait_clock.snapshot()
@@ -297,3 +303,45 @@ def _cuda_rank_job(rank: int, world: int, store: str) -> None:
 def test_host_staged_cuda_matches_reference(tmp_path) -> None:
     store = os.path.join(tmp_path, "store")
     mp.spawn(_cuda_rank_job, args=(2, store), nprocs=2, join=True)
+
+
+def test_serve_jobs_fails_what_follows_an_error_and_leaves_no_job_waiting():
+    """The worker loop of both threaded communicators (host-staged, copy engine)."""
+    import queue
+
+    from freescale.comm.host_staged import _STOP, _Job, serve_jobs
+
+    def boom():
+        raise ValueError("bad piece")
+
+    state: dict = {"error": None, "closed": 0}
+
+    def fail(e):
+        state["error"] = e
+
+    def closing():
+        state["closed"] += 1
+
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    ran = [_Job(lambda: 7, "a"), _Job(boom, "b"), _Job(lambda: 8, "c")]
+    for j in [*ran, _STOP]:
+        jobs.put(j)
+    serve_jobs(jobs, lambda: state["error"], fail, "test", closing=closing)
+    ran[0].wait()
+    assert ran[0].result == 7 and state["closed"] == 1
+    with pytest.raises(ValueError, match="bad piece"):
+        ran[1].wait()
+    with pytest.raises(RuntimeError, match="an earlier collective failed: bad piece"):
+        ran[2].wait()
+
+    # a setup that raises: the loop records why, and every queued job fails with it
+    state["error"] = None
+    queued = [_Job(lambda: 1, "d"), _Job(lambda: 2, "e")]
+    for j in queued:
+        jobs.put(j)
+    serve_jobs(jobs, lambda: state["error"], fail, "test", setup=boom, closing=closing)
+    assert state["closed"] == 2
+    for j in queued:
+        assert j.is_completed()
+        with pytest.raises(RuntimeError, match="test worker died: ValueError"):
+            j.wait()

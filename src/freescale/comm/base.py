@@ -230,6 +230,35 @@ class Communicator:
     def _count(self, op: str, name: str, nbytes: int) -> None:
         self.stats.add(f"{self.backend_name}:{op}:{name}", nbytes)
 
+    def _check_splits(
+        self, tensor: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int], name
+    ) -> tuple[list[int], list[int]]:
+        """The splits of an all-to-all-v as ints, or a ``ValueError`` naming the
+        collective and this rank: one entry per rank, none negative, the input splits
+        summing to the tensor's rows, and what this rank sends itself equal to what it
+        expects from itself. (Whether peers agree is only known after the exchange.)"""
+        i_s = [int(s) for s in input_splits]
+        o_s = [int(s) for s in output_splits]
+        describe = self._describe("all_to_all", name)
+        if len(i_s) != self.world_size or len(o_s) != self.world_size:
+            raise ValueError(
+                f"{describe}: splits must have {self.world_size} entries, got {len(i_s)} and "
+                f"{len(o_s)}"
+            )
+        if min(i_s + o_s, default=0) < 0:
+            raise ValueError(f"{describe}: negative split")
+        if sum(i_s) != tensor.shape[0]:
+            raise ValueError(
+                f"{describe}: input splits sum to {sum(i_s)} but the tensor has "
+                f"{tensor.shape[0]} rows"
+            )
+        if i_s[self.rank] != o_s[self.rank]:
+            raise ValueError(
+                f"{describe}: this rank sends itself {i_s[self.rank]} rows but expects "
+                f"{o_s[self.rank]}"
+            )
+        return i_s, o_s
+
     # ------------------------------------------------------------ collectives
     def all_gather(self, tensor: torch.Tensor, name: str = "") -> Awaitable[list[torch.Tensor]]:
         """Every rank's ``tensor`` (same shape on all ranks), indexed by rank."""
@@ -256,18 +285,7 @@ class Communicator:
     ) -> Awaitable[torch.Tensor]:
         """Variable-split all-to-all along dim 0. ``input_splits[d]`` rows go to rank d;
         ``output_splits[s]`` rows arrive from rank s, concatenated by source rank."""
-        input_splits = [int(s) for s in input_splits]
-        output_splits = [int(s) for s in output_splits]
-        if len(input_splits) != self.world_size or len(output_splits) != self.world_size:
-            raise ValueError(
-                f"{self._describe('all_to_all', name)}: splits must have {self.world_size} "
-                f"entries, got {len(input_splits)} and {len(output_splits)}"
-            )
-        if sum(input_splits) != tensor.shape[0]:
-            raise ValueError(
-                f"{self._describe('all_to_all', name)}: input splits sum to "
-                f"{sum(input_splits)} but the tensor has {tensor.shape[0]} rows"
-            )
+        input_splits, output_splits = self._check_splits(tensor, input_splits, output_splits, name)
         if self.world_size == 1:
             return Done(tensor)
         out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))

@@ -97,7 +97,13 @@ import torch
 import torch.distributed as dist
 
 from freescale.comm.base import Awaitable, CollectiveError, Communicator, Done
-from freescale.comm.host_staged import _STOP, HostStagedCommunicator, HostStagedConfig, _Job
+from freescale.comm.host_staged import (
+    _STOP,
+    HostStagedCommunicator,
+    HostStagedConfig,
+    _Job,
+    serve_jobs,
+)
 from freescale.comm.shm_exchange import ShmExchange, ShmUnavailable
 from freescale.comm.shm_exchange import available as shm_available
 
@@ -957,39 +963,19 @@ class CopyEngineCommunicator(Communicator):
 
     # ----------------------------------------------------------- worker side
     def _loop(self) -> None:
-        try:
+        def setup() -> None:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-                self._copier: Any = _CudaCopier(
+                self._copier = _CudaCopier(
                     self.device, self.config.copy_streams, self.stream_priority
                 )
             else:
                 self._copier = _HostCopier()
-            while True:
-                job = self._queue.get()
-                if job is _STOP:
-                    break
-                if self._error is not None:
-                    job.finish(error=RuntimeError(f"an earlier collective failed: {self._error}"))
-                    continue
-                try:
-                    result = job.run()
-                except BaseException as e:  # kept, re-raised at wait()
-                    self._error = e
-                    job.finish(error=e)
-                else:
-                    job.finish(result)
-        except BaseException as e:  # the loop itself broke
-            self._error = self._error or RuntimeError(f"copy-engine worker died: {e!r}")
-        finally:
-            err = self._error or RuntimeError("the communicator was closed")
-            while True:  # nothing queued is left waiting forever
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not _STOP:
-                    job.finish(error=err)
+
+        serve_jobs(self._queue, lambda: self._error, self._fail, "copy-engine", setup)
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
 
     def _wait_work(self, work: Any, what: str) -> None:
         limit = self.config.timeout_s
@@ -1374,31 +1360,6 @@ class CopyEngineCommunicator(Communicator):
         aw = self._collective(_OP_AG, "all_gather", name, src, nbytes, None, out, views, result)
         self.stats.seconds_issuing += time.perf_counter() - t0
         return aw
-
-    def _check_splits(
-        self, tensor: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int], name
-    ) -> tuple[list[int], list[int]]:
-        i_s = [int(s) for s in input_splits]
-        o_s = [int(s) for s in output_splits]
-        describe = self._describe("all_to_all", name)
-        if len(i_s) != self.world_size or len(o_s) != self.world_size:
-            raise ValueError(
-                f"{describe}: splits must have {self.world_size} entries, got {len(i_s)} and "
-                f"{len(o_s)}"
-            )
-        if min(i_s + o_s, default=0) < 0:
-            raise ValueError(f"{describe}: negative split")
-        if sum(i_s) != tensor.shape[0]:
-            raise ValueError(
-                f"{describe}: input splits sum to {sum(i_s)} but the tensor has "
-                f"{tensor.shape[0]} rows"
-            )
-        if i_s[self.rank] != o_s[self.rank]:
-            raise ValueError(
-                f"{describe}: this rank sends itself {i_s[self.rank]} rows but expects "
-                f"{o_s[self.rank]}"
-            )
-        return i_s, o_s
 
     def all_to_all_v(
         self,

@@ -258,6 +258,52 @@ class _Job:
 _STOP = object()
 
 
+def serve_jobs(
+    jobs: queue.SimpleQueue[Any],
+    error: Callable[[], BaseException | None],
+    fail: Callable[[BaseException], None],
+    who: str,
+    setup: Callable[[], None] | None = None,
+    closing: Callable[[], None] | None = None,
+) -> None:
+    """The FIFO worker loop shared by the threaded communicators: run ``setup`` then each
+    queued :class:`_Job` until ``_STOP``. The first job that raises records its error
+    (``fail``) and every later job fails with it; a loop that breaks records
+    "``who`` worker died". On the way out ``closing`` runs (refuse new jobs), then every
+    job still queued fails, so no caller waits forever."""
+    try:
+        if setup is not None:
+            setup()
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                break
+            if error() is not None:
+                job.finish(error=RuntimeError(f"an earlier collective failed: {error()}"))
+                continue
+            try:
+                result = job.run()
+            except BaseException as e:  # kept, re-raised at wait()
+                fail(e)
+                job.finish(error=e)
+            else:
+                job.finish(result)
+    except BaseException as e:  # the loop itself broke
+        if error() is None:
+            fail(RuntimeError(f"{who} worker died: {e!r}"))
+    finally:
+        if closing is not None:
+            closing()
+        err = error() or RuntimeError("the communicator was closed")
+        while True:  # nothing queued is left waiting forever
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                job.finish(error=err)
+
+
 class _GroupWorker:
     """The FIFO worker thread of one gloo group, with its pool and copy streams."""
 
@@ -326,34 +372,18 @@ class _GroupWorker:
 
     def _loop(self) -> None:
         try:
-            while True:
-                job = self._queue.get()
-                if job is _STOP:
-                    break
-                if self.error is not None:
-                    job.finish(error=RuntimeError(f"an earlier collective failed: {self.error}"))
-                    continue
-                try:
-                    result = job.run()
-                except BaseException as e:  # kept, re-raised at wait()
-                    self.error = e
-                    job.finish(error=e)
-                else:
-                    job.finish(result)
-        except BaseException as e:  # the loop itself broke
-            self.error = self.error or RuntimeError(f"host-staged worker died: {e!r}")
+            serve_jobs(
+                self._queue, lambda: self.error, self._fail, "host-staged", closing=self._close
+            )
         finally:
-            self._stopped = True
-            err = self.error or RuntimeError("the communicator was closed")
-            while True:  # nothing queued is left waiting forever
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not _STOP:
-                    job.finish(error=err)
             self._unstaging.clear()
             self.pool.clear()
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+
+    def _close(self) -> None:
+        self._stopped = True
 
     # ---------------------------------------------------------- the pipeline
     def _wait_work(self, work: Any, what: str) -> None:
@@ -682,21 +712,7 @@ class HostStagedCommunicator(Communicator):
     ) -> Awaitable[torch.Tensor]:
         """Variable-split all-to-all along dim 0. ``input_splits[d]`` rows go to rank d;
         ``output_splits[s]`` rows arrive from rank s, concatenated by source rank."""
-        input_splits = [int(s) for s in input_splits]
-        output_splits = [int(s) for s in output_splits]
-        describe = self._describe("all_to_all", name)
-        if len(input_splits) != self.world_size or len(output_splits) != self.world_size:
-            raise ValueError(
-                f"{describe}: splits must have {self.world_size} entries, got "
-                f"{len(input_splits)} and {len(output_splits)}"
-            )
-        if min(input_splits + output_splits, default=0) < 0:
-            raise ValueError(f"{describe}: negative split")
-        if sum(input_splits) != tensor.shape[0]:
-            raise ValueError(
-                f"{describe}: input splits sum to {sum(input_splits)} but the tensor has "
-                f"{tensor.shape[0]} rows"
-            )
+        input_splits, output_splits = self._check_splits(tensor, input_splits, output_splits, name)
         if self.world_size == 1:
             return Done(tensor)
         worker = self._live_worker("all_to_all", name)
@@ -727,11 +743,6 @@ class HostStagedCommunicator(Communicator):
         plan = [[x[k] for x in per_peer if k < len(x)] for k in range(n_rounds)]
         me = self.rank
         self_copy = (out_off[me], in_off[me], input_splits[me] * row)
-        if input_splits[me] != output_splits[me]:
-            raise ValueError(
-                f"{describe}: this rank sends itself {input_splits[me]} rows but expects "
-                f"{output_splits[me]}"
-            )
         aw = self._launch(
             "all_to_all",
             name,
