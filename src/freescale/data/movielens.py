@@ -36,7 +36,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +43,7 @@ import torch
 
 from freescale.config import CANDIDATE_FEATURE, DataConfig
 from freescale.data.batch import JaggedBatch
-from freescale.data.synthetic import SPLITS, _draws, _key, _uniform, local_range
+from freescale.data.synthetic import SPLITS, GlobalBatchSource, _draws, _key, _uniform
 
 __all__ = ["MovieLensSource", "Interactions", "load_interactions", "detect_format", "FORMATS"]
 
@@ -173,7 +172,7 @@ def load_interactions(path: str, fmt: str | None = None) -> Interactions:
     return {"inter": _read_inter, "dat": _read_dat, "sasrec": _read_sasrec}[fmt](path)
 
 
-class MovieLensSource:
+class MovieLensSource(GlobalBatchSource):
     """Samples from MovieLens-format histories; same interface as SyntheticSource.
 
     Table sizes come from the file: use :attr:`num_items`, :attr:`num_actions`,
@@ -346,26 +345,6 @@ class MovieLensSource:
 
     def global_batch(self, step: int, split: str = "train") -> JaggedBatch:
         return self.samples(step, np.arange(self.cfg.global_batch_size, dtype=np.int64), split)
-
-    def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
-        return local_range(self.cfg.global_batch_size, rank, world_size)
-
-    def local_batch(
-        self, step: int, rank: int, world_size: int, split: str = "train"
-    ) -> JaggedBatch:
-        start, stop = self.local_range(rank, world_size)
-        return self.samples(step, np.arange(start, stop, dtype=np.int64), split)
-
-    def num_eval_batches(self, num_samples: int | None = None) -> int:
-        n = self.cfg.eval_samples if num_samples is None else num_samples
-        return -(-n // self.cfg.global_batch_size)
-
-    def eval_batches(
-        self, num_samples: int | None = None, rank: int = 0, world_size: int = 1
-    ) -> Iterator[JaggedBatch]:
-        """Held-out-user local batches (split ``"eval"``), as SyntheticSource."""
-        for s in range(self.num_eval_batches(num_samples)):
-            yield self.local_batch(s, rank, world_size, split="eval")
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -62,6 +62,7 @@ from freescale.config import CANDIDATE_FEATURE, DataConfig
 from freescale.data.batch import JaggedBatch
 
 __all__ = [
+    "GlobalBatchSource",
     "SyntheticSource",
     "SPLITS",
     "local_range",
@@ -162,7 +163,46 @@ def oracle_ne(batches: Iterable[JaggedBatch]) -> float:
     return normalized_entropy(torch.cat(probs), torch.cat(labels))
 
 
-class SyntheticSource:
+class GlobalBatchSource:
+    """What every data source derives from ``samples(step, ids, split)`` and
+    ``cfg.global_batch_size``: rank ``r``'s contiguous slice of a global batch whose
+    content depends on (seed, step, global sample id) only, and the held-out batches."""
+
+    cfg: DataConfig
+
+    def samples(
+        self, step: int, sample_ids: torch.Tensor | np.ndarray, split: str = "train"
+    ) -> JaggedBatch:
+        """Samples ``sample_ids`` (global ids, in this order) of ``step``."""
+        raise NotImplementedError
+
+    def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Global sample ids ``[start, stop)`` of ``rank`` under contiguous placement."""
+        return local_range(self.cfg.global_batch_size, rank, world_size)
+
+    def local_batch(
+        self, step: int, rank: int, world_size: int, split: str = "train"
+    ) -> JaggedBatch:
+        """Rank ``rank``'s contiguous slice of the global batch; only its own samples
+        are generated."""
+        start, stop = self.local_range(rank, world_size)
+        return self.samples(step, np.arange(start, stop, dtype=np.int64), split)
+
+    def num_eval_batches(self, num_samples: int | None = None) -> int:
+        n = self.cfg.eval_samples if num_samples is None else num_samples
+        return -(-n // self.cfg.global_batch_size)
+
+    def eval_batches(
+        self, num_samples: int | None = None, rank: int = 0, world_size: int = 1
+    ) -> Iterator[JaggedBatch]:
+        """Held-out local batches (split ``"eval"``, steps ``0, 1, ...``) covering at
+        least ``num_samples`` (default ``cfg.eval_samples``) samples, rounded up to
+        whole global batches. Same samples for any world size."""
+        for s in range(self.num_eval_batches(num_samples)):
+            yield self.local_batch(s, rank, world_size, split="eval")
+
+
+class SyntheticSource(GlobalBatchSource):
     """Deterministic synthetic batches; see the module docstring for the model.
 
     ``with_timestamps`` adds increasing per-sample timestamps (int64 seconds, one
@@ -436,31 +476,6 @@ class SyntheticSource:
     def global_batch(self, step: int, split: str = "train") -> JaggedBatch:
         """The whole global batch of ``step``: sample ids ``0 .. GB-1``."""
         return self.samples(step, np.arange(self.cfg.global_batch_size, dtype=np.int64), split)
-
-    def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
-        """Global sample ids ``[start, stop)`` of ``rank`` under contiguous placement."""
-        return local_range(self.cfg.global_batch_size, rank, world_size)
-
-    def local_batch(
-        self, step: int, rank: int, world_size: int, split: str = "train"
-    ) -> JaggedBatch:
-        """Rank ``rank``'s contiguous slice of the global batch; only its own samples
-        are generated."""
-        start, stop = self.local_range(rank, world_size)
-        return self.samples(step, np.arange(start, stop, dtype=np.int64), split)
-
-    def num_eval_batches(self, num_samples: int | None = None) -> int:
-        n = self.cfg.eval_samples if num_samples is None else num_samples
-        return -(-n // self.cfg.global_batch_size)
-
-    def eval_batches(
-        self, num_samples: int | None = None, rank: int = 0, world_size: int = 1
-    ) -> Iterator[JaggedBatch]:
-        """Held-out local batches (split ``"eval"``, steps ``0, 1, ...``) covering at
-        least ``num_samples`` (default ``cfg.eval_samples``) samples, rounded up to
-        whole global batches. Same samples for any world size."""
-        for s in range(self.num_eval_batches(num_samples)):
-            yield self.local_batch(s, rank, world_size, split="eval")
 
 
 def local_range(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
