@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
@@ -15,6 +16,48 @@ from typing import Any, Optional
 import torch
 
 from freescale.pipeline.bench_e2e import run_environment
+
+
+def git_sha(given: Optional[str] = None) -> Optional[str]:
+    """The commit a figure measures: ``given`` (a script's ``--git-sha``), else
+    ``FREESCALE_GIT_SHA`` (a copied tree's .git may be stale), else this checkout's HEAD,
+    else None."""
+    if given:
+        return given
+    if os.environ.get("FREESCALE_GIT_SHA"):
+        return os.environ["FREESCALE_GIT_SHA"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_name() -> str:
+    """This host's CPU model (``/proc/cpuinfo``), else what ``platform`` knows."""
+    name = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name
+
+
+def device_name(dev: torch.device, world: int) -> str:
+    """The device of a multi-rank figure: ``"2x NVIDIA H200"`` or ``"2 gloo ranks on
+    2-core <cpu>"``."""
+    if dev.type == "cuda":
+        return f"{world}x {torch.cuda.get_device_name(dev)}"
+    return f"{world} gloo ranks on {os.cpu_count()}-core {cpu_name()}"
 
 
 def figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
@@ -33,8 +76,7 @@ def figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
 def host_figure_header(figure: str, git_sha: Optional[str]) -> dict[str, Any]:
     """:func:`figure_header` for a host-only figure: the device is this machine's CPU."""
     head = figure_header(figure, git_sha)
-    cpu = platform.processor() or platform.machine()
-    head["device"] = f"CPU ({cpu}, {os.cpu_count()} cores)"
+    head["device"] = f"CPU ({cpu_name()}, {os.cpu_count()} cores)"
     return head
 
 

@@ -31,8 +31,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
-from kernels import _git_sha  # noqa: E402
+from _figure import (  # noqa: E402
+    git_sha,
+    host_figure_header,
+    spawn_ranks,
+    write_figure,
+)
 
 
 def _rank(
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu = headline[f"{code}:{part}:cpu_ms_per_batch"]
             headline[f"{code}:{part}:cpu_ratio_vs_{first}"] = cpu / base
     report = {
-        **host_figure_header("balance_host", _git_sha(a.git_sha)),
+        **host_figure_header("balance_host", git_sha(a.git_sha)),
         "workload": "2 gloo ranks x 128 samples, max UIH 16K, median 1K, 1M items, Zipf 0.6",
         "rows": rows,
         "headline": headline,

@@ -27,8 +27,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
-from kernels import _git_sha  # noqa: E402
+from _figure import (  # noqa: E402
+    git_sha,
+    host_figure_header,
+    spawn_ranks,
+    write_figure,
+)
 
 
 def _rank(rank: int, world: int, port: int, q: Any, device: str, calls: int) -> None:
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         / by["gloo"]["ms_per_call"],
     }
     report = {
-        **host_figure_header("copy_engine_call", _git_sha(args.git_sha)),
+        **host_figure_header("copy_engine_call", git_sha(args.git_sha)),
         "backend_device": args.device,
         "workload": "2 ranks, all_to_all_v of 4096 x 16 float32 per rank, equal splits",
         "rows": rows,

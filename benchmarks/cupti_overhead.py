@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,16 +39,7 @@ from pathlib import Path
 
 import torch
 
-
-def _git_sha(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+from _figure import git_sha
 
 
 class SideThreads:
@@ -177,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "figure": "cupti_overhead",
         "device": torch.cuda.get_device_name(dev),
-        "git_sha": _git_sha(a.git_sha),
+        "git_sha": git_sha(a.git_sha),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(shlex.quote(s) for s in sys.argv),
         "torch": torch.__version__,

@@ -36,8 +36,12 @@ import triton.language as tl
 from freescale.kernels import ops, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figure import figure_header, write_figure  # noqa: E402
-from kernels import _git_sha, block_sizes_for, device_us, enqueue_us, make_workload  # noqa: E402
+from _figure import (  # noqa: E402
+    figure_header,
+    git_sha,
+    write_figure,
+)
+from kernels import block_sizes_for, device_us, enqueue_us, make_workload  # noqa: E402
 
 WORLDS = [8, 32, 128, 512, 1024]
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
@@ -130,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows.append(row)
     parts = _parts(device, 200 if cuda else 2)
     print(parts)
-    report = figure_header("dispatch_host", _git_sha(args.git_sha))
+    report = figure_header("dispatch_host", git_sha(args.git_sha))
     report["command"] = " ".join(["python", *(sys.argv if argv is None else ["", *argv])])
     report["smoke"] = args.smoke
     report["config"] = {"workload": "per_rank", "calls_per_loop": calls, "worlds": worlds}

@@ -34,10 +34,15 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figure import figure_header, kernel_device_ms, write_figure  # noqa: E402
+from _figure import (  # noqa: E402
+    figure_header,
+    git_sha,
+    kernel_device_ms,
+    write_figure,
+)
 from freescale.kernels import triton_dispatch_v4 as v4  # noqa: E402
 from freescale.kernels.common import cdiv  # noqa: E402
-from kernels import _git_sha, make_workload  # noqa: E402
+from kernels import make_workload  # noqa: E402
 
 # module constants set per setting; the first setting is the module's default
 KNOBS = ("SEG_BLOCK_MAX", "SEARCH_FAN", "TABLE_BLOCK", "FUSED_TABLE_BLOCK", "FUSED_TABLE_WARPS",
@@ -175,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     binary["total_us"] / default["total_us"]
                 )
     report = {
-        **figure_header("dispatch_tables", _git_sha(args.git_sha)),
+        **figure_header("dispatch_tables", git_sha(args.git_sha)),
         "knobs": list(KNOBS),
         "settings": [list(s) for s in SETTINGS],
         "rows": rows,

@@ -80,9 +80,7 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -94,6 +92,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from _figure import device_name, git_sha
 from freescale.comm.base import Communicator
 from freescale.config import SparseOptimConfig, TableConfig
 from freescale.embedding import collection as collection_mod
@@ -650,22 +649,6 @@ def _pin_threads(device: torch.device) -> None:
     plan = plan_placement(cpu_topology(), local_rank, local_world, near=near)
     if plan.available:
         apply_placement(plan)
-
-
-def git_sha(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def device_name(dev: torch.device, world: int) -> str:
-    if dev.type == "cuda":
-        return f"{world}x {torch.cuda.get_device_name(dev)}"
-    return f"{world} gloo ranks on {os.cpu_count()}-core {platform.processor() or 'cpu'}"
 
 
 def linfit(x: list[float], y: list[float]) -> tuple[float, float, float]:

@@ -43,8 +43,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
-from kernels import _git_sha  # noqa: E402
+from _figure import (  # noqa: E402
+    git_sha,
+    host_figure_header,
+    spawn_ranks,
+    write_figure,
+)
 
 
 def _rank(
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     }
     report = {
-        **host_figure_header("gil_data_stage", _git_sha(args.git_sha)),
+        **host_figure_header("gil_data_stage", git_sha(args.git_sha)),
         "caveat": (
             "lateness = waiting for the interpreter lock + waiting for a free core; with "
             f"{os.cpu_count()} cores and 2 ranks of busy threads the second may dominate"

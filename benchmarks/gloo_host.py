@@ -35,8 +35,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _figure import host_figure_header, spawn_ranks, write_figure  # noqa: E402
-from kernels import _git_sha  # noqa: E402
+from _figure import (  # noqa: E402
+    git_sha,
+    host_figure_header,
+    spawn_ranks,
+    write_figure,
+)
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]  # bytes sent per rank per call
 DELAY_S = 0.02
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         else None,
     }
     report = {
-        **host_figure_header("gloo_host", _git_sha(args.git_sha)),
+        **host_figure_header("gloo_host", git_sha(args.git_sha)),
         "python": platform.python_version(),
         "world_size": args.world,
         "method": (

@@ -38,7 +38,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from _figure import git_sha
 from freescale.kernels import naive, ops, reference, vectorized
 from freescale.kernels.common import triton_available
 
@@ -537,22 +537,6 @@ class Runner:
             print(json.dumps(row), flush=True)
 
 
-def _git_sha(explicit: Optional[str]) -> Optional[str]:
-    if explicit:
-        return explicit
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _headline(rows: list[dict]) -> dict:
     """Headline of what ``kernels.ranged_dispatch`` runs on CUDA ("triton_auto": the
     size-based choice of `ops.triton_dispatch_version`; v3 in files written before it
@@ -801,7 +785,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "figure": "kernels",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "git_sha": _git_sha(args.git_sha),
+        "git_sha": git_sha(args.git_sha),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv] if argv is None else ["python", *argv]),
         "smoke": args.smoke,

@@ -35,7 +35,8 @@ import torch
 from freescale.kernels import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _git_sha, block_sizes_for, make_workload, parse_v4_knobs  # noqa: E402
+from _figure import git_sha  # noqa: E402
+from kernels import block_sizes_for, make_workload, parse_v4_knobs  # noqa: E402
 
 WORLDS = [8, 64, 1024]
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "figure": "dispatch_profile",
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (smoke)",
-        "git_sha": _git_sha(args.git_sha),
+        "git_sha": git_sha(args.git_sha),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "torch": torch.__version__,

@@ -115,6 +115,8 @@ except ImportError:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from _figure import git_sha  # noqa: E402
+
 BACKENDS = ["nccl", "copy_engine", "copy_engine_contiguous", "host_staged"]
 SMFREE = ["copy_engine", "copy_engine_contiguous", "host_staged"]
 # backends that can be paced down to NCCL's byte rate (host_staged moves ~2 GB/s: it
@@ -600,19 +602,6 @@ METHOD = {
 
 
 # ===================================================================== outputs
-def git_sha(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def write_outputs(out_dir: str, result: dict) -> list[str]:

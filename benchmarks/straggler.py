@@ -43,8 +43,6 @@ import gc
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from typing import Any
@@ -53,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from _figure import device_name, git_sha
 from freescale.balance.cost_model import CostModel
 from freescale.balance.hook import BalanceHook
 from freescale.balance.planner import BalanceConfig
@@ -353,31 +352,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.partitioner_list[0] != "identity":
         raise SystemExit("--partitioners must start with identity (vanilla: the baseline)")
     return a
-
-
-def git_sha(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def device_name(dev: torch.device, world: int) -> str:
-    if dev.type == "cuda":
-        return f"{world}x {torch.cuda.get_device_name(dev)}"
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{world} gloo ranks on {os.cpu_count()}-core {cpu}"
 
 
 def run_order(max_uih: list[int]) -> list[int]:

@@ -36,8 +36,6 @@ import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -45,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from _figure import cpu_name, git_sha
 from freescale.balance.cost_model import DEFAULT_COST_MODEL, CostModel
 from freescale.balance.partitioners import get_partitioner
 from freescale.balance.planner import BalanceConfig, GlobalMetadata, Planner
@@ -109,29 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.sweep_max_uih = [4096, 21504]
         a.timing_repeats = 5
     return a
-
-
-def cpu_name() -> str:
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} ({os.cpu_count()} cores)"
-
-
-def git_sha(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def load_cost_model(a: argparse.Namespace) -> tuple[CostModel, dict[str, Any]]:
@@ -470,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     out = {
         "figure": "straggler_sim",
-        "device": cpu_name(),
+        "device": f"{cpu_name()} ({os.cpu_count()} cores)",
         "git_sha": git_sha(a.git_sha),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,

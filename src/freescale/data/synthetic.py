@@ -52,6 +52,7 @@ rare cases round a length differently; ranks of one job should share a software 
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterable, Iterator
 
@@ -163,18 +164,18 @@ def oracle_ne(batches: Iterable[JaggedBatch]) -> float:
     return normalized_entropy(torch.cat(probs), torch.cat(labels))
 
 
-class GlobalBatchSource:
+class GlobalBatchSource(abc.ABC):
     """What every data source derives from ``samples(step, ids, split)`` and
     ``cfg.global_batch_size``: rank ``r``'s contiguous slice of a global batch whose
     content depends on (seed, step, global sample id) only, and the held-out batches."""
 
     cfg: DataConfig
 
+    @abc.abstractmethod
     def samples(
         self, step: int, sample_ids: torch.Tensor | np.ndarray, split: str = "train"
     ) -> JaggedBatch:
         """Samples ``sample_ids`` (global ids, in this order) of ``step``."""
-        raise NotImplementedError
 
     def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
         """Global sample ids ``[start, stop)`` of ``rank`` under contiguous placement."""
