@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec python3 -m pytest -q -p no:cacheprovider "$@"
+exec python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"

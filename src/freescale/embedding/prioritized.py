@@ -941,7 +941,11 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             dim=1,
         ).contiguous()
         x = torch.cat(
-            [reap_t.to(torch.uint8), coll_n.to(torch.uint8), trailer.view(torch.uint8).reshape(-1)]
+            [
+                reap_t.view(torch.uint8),
+                coll_n.view(torch.uint8),
+                trailer.view(torch.uint8).reshape(-1),
+            ]
         )
         st, sn = _offsets(dist_t.recv_splits), _offsets(dn.recv_splits)
         starts, sizes = [], []
@@ -966,8 +970,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         )
         nt_, na = _TRAILER_BYTES * w, int(sum(a))
         tr = parts[:nt_]
-        reap_y = parts[nt_ : nt_ + na].bool()
-        coll_y = parts[nt_ + na :].bool()
+        reap_y = parts[nt_ : nt_ + na].view(torch.bool)  # views: bytes that were bools
+        coll_y = parts[nt_ + na :].view(torch.bool)
         both = torch.cat([tr.view(torch.int64), c])  # [w * _TRAILER received | 2w + 2 own]
         p.masks_y = (coll_y, reap_y)
         if self._side_stream is not None:
