@@ -230,3 +230,26 @@ def test_sharded_exchange_trains_like_one_table(kind, world, pool2, pool4):
             torch.testing.assert_close(got, v, rtol=2e-5, atol=2e-6)
     assert sum(r["ids_sent"] for r in res) > 0
     assert all(r["rows_updated"] >= 0 for r in res)
+
+
+def test_module_conversions_keep_the_shard_or_refuse():
+    """``model.to()`` / ``.cpu()`` / ``.float()`` / ``.share_memory()`` of a model holding a
+    collection work when they keep its device and dtype (they called the collection's
+    update method with nn.Module's arguments before: a TypeError); ``.double()`` would
+    replace the shard behind the fused optimizer, so it raises and changes nothing."""
+    tables = [TableConfig("t", 10, 4, ["f"])]
+    ec = ShardedEmbeddingCollection(tables, Communicator(), SparseOptimConfig())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ec)
+    weight, before = ec.weight, ec.weight.clone()
+    model.to(torch.float32)
+    model.to("cpu")
+    model.cpu().float().share_memory()
+    assert ec.weight is weight and ec.optimizer.weight is weight
+    assert torch.equal(ec.weight, before)
+    with pytest.raises(RuntimeError, match=r"\(torch.float32 on cpu\) cannot be converted"):
+        model.double()
+    assert ec.weight is weight and ec.weight.dtype == torch.float32
+    # the update path is unchanged: one step of SGD on the row of id 3
+    out = ec({"f": (torch.tensor([3]), torch.tensor([1]))})["f"]
+    out.sum().backward()
+    assert not torch.equal(ec.weight[3], before[3]) and torch.equal(ec.weight[4], before[4])

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -450,7 +451,7 @@ class ShardedEmbeddingCollection(nn.Module):
             self.plan.dim * grad.element_size()
         )
         t0 = self._tic()
-        self._apply(st.recv_keys, recv, st.step, st.lr, st.groups)
+        self._apply_update(st.recv_keys, recv, st.step, st.lr, st.groups)
         st.groups = None
         self._toc("sparse_update", t0)
         self.stats.steps += 1
@@ -478,7 +479,24 @@ class ShardedEmbeddingCollection(nn.Module):
             return "ahead" if cuda else "sync"
         return mode
 
-    def _apply(
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedEmbeddingCollection:
+        """``nn.Module``'s hook behind ``.to()`` / ``.cuda()`` / ``.cpu()`` / ``.float()`` /
+        ``.double()`` / ``.share_memory()``: the shard, its optimizer state and the
+        communicator were built for one device and dtype, so a conversion that keeps both
+        runs (``model.to(device)`` of a model holding this collection, on its device) and
+        one that would change either raises before touching anything here."""
+        w = self.weight
+        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+        if probe.dtype != w.dtype or probe.device != w.device:
+            raise RuntimeError(
+                f"{type(self).__name__}: its shard ({w.dtype} on {w.device}) cannot be "
+                f"converted to {probe.dtype} on {probe.device} (the fused optimizer and the "
+                "communicator hold it): build it with device= / dtype= (a TorchRec model: "
+                "move / cast it before shard_model, or pass shard_model(..., device=, dtype=))"
+            )
+        return super()._apply(fn, recurse)
+
+    def _apply_update(
         self,
         keys: torch.Tensor,
         grads: torch.Tensor,

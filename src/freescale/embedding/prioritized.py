@@ -735,7 +735,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             keys, grads = keys[:-1], grads[:-1]
             self._mutation_fired = True
         groups = d.groups if keys is d.keys else None  # (drop_grad shortens the keys)
-        rows = self._apply(keys, grads, step, lr, groups)
+        rows = self._apply_update(keys, grads, step, lr, groups)
         self.tally.add(self.pstats, "deferred_rows", rows)
         self.pstats.deferred_ids += int(keys.numel())
         self._toc("deferred_update", t0)
@@ -1122,7 +1122,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         ) * rb
         self._toc("grad_a2a", t0)
         t0 = self._tic()
-        self._apply(sp.coll_keys, recv, st.step, st.lr, sp.coll_groups)
+        self._apply_update(sp.coll_keys, recv, st.step, st.lr, sp.coll_groups)
         self._toc("sparse_update", t0)
         # t+1's collision rows, now updated: what (c) of t+1 waits for
         t0 = self._tic()

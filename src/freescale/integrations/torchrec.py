@@ -893,20 +893,6 @@ class FreeScaleEmbeddingCollection(nn.Module):
         if flush is not None:
             flush()
 
-    def _apply(self, fn: Any, recurse: bool = True) -> FreeScaleEmbeddingCollection:  # noqa: ARG002
-        # .to() / .double() / .cuda() would replace the shard buffer behind the fused
-        # optimizer's back: allow only conversions that leave it as it is
-        w = self.sparse.weight
-        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-        if probe.dtype != w.dtype or probe.device != w.device:
-            raise RuntimeError(
-                f"FreeScaleEmbeddingCollection: its shards ({w.dtype} on {w.device}) cannot be "
-                f"converted to {probe.dtype} on {probe.device} after sharding (the fused "
-                "optimizer holds them); move / cast the model before shard_model, or pass "
-                "shard_model(..., device=, dtype=)"
-            )
-        return self
-
 
 def _parent_and_key(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     parent_name, _, key = dotted.rpartition(".")
