@@ -964,6 +964,7 @@ class CopyEngineCommunicator(Communicator):
     # ----------------------------------------------------------- worker side
     def _loop(self) -> None:
         def setup() -> None:
+            self._copier: Any
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 self._copier = _CudaCopier(
