@@ -15,6 +15,7 @@ from freescale.config import SparseOptimConfig, TableConfig
 from freescale.embedding.collection import (
     RowWisePlan,
     ShardedEmbeddingCollection,
+    ddp_ignore_shards,
     init_table_rows,
 )
 from freescale.embedding.optim import FusedSparseOptimizer, row_mean_fixed_order
@@ -253,3 +254,35 @@ def test_module_conversions_keep_the_shard_or_refuse():
     out = ec({"f": (torch.tensor([3]), torch.tensor([1]))})["f"]
     out.sum().backward()
     assert not torch.equal(ec.weight[3], before[3]) and torch.equal(ec.weight[4], before[4])
+
+
+def _ddp_job(rank: int, world: int, ignore: bool) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(rank)  # the dense layer differs per rank until DDP syncs it
+    ec = ShardedEmbeddingCollection(
+        [TableConfig("t", 10, 4, ["f"])], Communicator(), SparseOptimConfig()
+    )
+    model = torch.nn.ModuleDict({"ec": ec, "alias": ec, "lin": torch.nn.Linear(4, 1)})
+    rows = ec.weight.clone()
+    listed = ddp_ignore_shards(model) if ignore else []
+    DistributedDataParallel(model)
+    return {
+        "rows_kept": bool(torch.equal(rows, ec.weight)),
+        "listed": listed,
+        "lin": model["lin"].weight.detach().clone(),
+    }
+
+
+@pytest.mark.parametrize("ignore", [True, False])
+def test_ddp_keeps_each_ranks_rows_only_with_ddp_ignore_shards(pool2, ignore):
+    """DDP broadcasts rank 0's buffers when it is built: without ``ddp_ignore_shards``
+    rank 1's rows become rank 0's (the failure the helper exists for, shown here), with
+    it every rank keeps its own rows while the dense layer is still synced."""
+    res = pool2.run(_ddp_job, ignore)
+    assert torch.equal(res[0]["lin"], res[1]["lin"])  # DDP did sync the dense layer
+    if ignore:
+        assert all(r["rows_kept"] for r in res)
+        assert res[0]["listed"] == ["alias.weight", "ec.weight"]
+    else:
+        assert res[0]["rows_kept"] and not res[1]["rows_kept"]

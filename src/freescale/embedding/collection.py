@@ -235,7 +235,9 @@ class ShardedEmbeddingCollection(nn.Module):
     ``forward({feature: (values, lengths)})`` returns ``{feature: [N_f, D]}`` for the
     local batch. Every configured feature must be given (possibly empty). Call
     :meth:`set_step` before each training forward so updates use that step's index and
-    learning rate.
+    learning rate. Each rank's rows are the buffer ``weight``: before wrapping a model
+    that holds the collection in ``DistributedDataParallel``, call
+    :func:`ddp_ignore_shards` on it, or DDP replaces every rank's rows with rank 0's.
     """
 
     def __init__(
@@ -598,3 +600,23 @@ def check_lookahead(
                 f"{owner}: feature '{f}' of this step differs from the next_features given "
                 "at the previous step"
             )
+
+
+def ddp_ignore_shards(model: nn.Module) -> list[str]:
+    """Register the row shard of every :class:`ShardedEmbeddingCollection` under ``model``
+    (by every name it has there) as ignored by DDP on ``model``, and return the whole
+    ignore list. Call it before ``DistributedDataParallel(model)``: DDP broadcasts rank
+    0's buffers to every rank when it is built (and, with ``broadcast_buffers``, before
+    each forward), which would overwrite each rank's own rows with rank 0's. Names
+    already ignored on ``model`` stay. ``shard_model`` calls it for TorchRec models; the
+    trainer wraps only the dense model in DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, ShardedEmbeddingCollection):
+            owned = [*m.named_buffers(remove_duplicate=False), *m.named_parameters()]
+            names.update(f"{prefix}.{n}" if prefix else n for n, _ in owned)
+    ignore = sorted(names)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    return ignore

@@ -59,6 +59,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..config import CANDIDATE_FEATURE, SparseOptimConfig, TableConfig
 from ..data.batch import JaggedBatch
+from ..embedding.collection import ddp_ignore_shards
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -1024,16 +1025,7 @@ def shard_model(
         for n in names[key]:
             _replace(model, n, new)
             swapped.append(n)
-    prefixes = tuple(n + "." for n in swapped)
-    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    ignore.update(
-        n
-        for n, _ in [*model.named_buffers(remove_duplicate=False), *model.named_parameters()]
-        if n.startswith(prefixes)
-    )
-    from torch.nn.parallel import DistributedDataParallel
-
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignore))
+    ddp_ignore_shards(model)
     return swapped
 
 
