@@ -9,8 +9,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from freescale.cli import main
+
+NO_CUDA = not torch.cuda.is_available()
 
 
 def test_simulate_flags_reach_the_simulator(tmp_path):
@@ -139,6 +142,7 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
         (["--global-batch-size", "6", "--nproc", "4"], "--global-batch-size 6"),
         (["--source", "movielens"], "--data-path"),
         (["--num-items", "0"], "num_items"),
+        *([(["--device", "cuda"], "CUDA is not available")] if NO_CUDA else []),
         (["--embedding-dim", "0"], "embedding_dim"),
         (["--num-heads", "3", "--embedding-dim", "32"], "num_heads 3"),
         (["--source", "movielens", "--data-path", "/no/such/ml.inter"], "/no/such/ml.inter"),
@@ -147,7 +151,8 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
 def test_bad_flag_combination_is_one_line_not_a_traceback(capsys, flags, names):
     """An invalid configuration ends ``freescale train`` with exit code 2 and one error
     line naming it, before any rank is launched."""
-    assert main(["train", "--nproc", "1", "--device", "cpu", *flags]) == 2
+    device = [] if "--device" in flags else ["--device", "cpu"]
+    assert main(["train", "--nproc", "1", *device, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("freescale train: error: ") and names in err, err
     assert "Traceback" not in err

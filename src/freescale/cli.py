@@ -250,6 +250,13 @@ def resolve_launch(args: argparse.Namespace) -> tuple[bool, bool]:
     return in_torchrun, gpu
 
 
+def local_ranks(nproc: int, in_torchrun: bool) -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else ``nproc``."""
+    if in_torchrun:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return nproc
+
+
 def resolve_mode(args: argparse.Namespace) -> None:
     """``--mode freescale``: every technique on (prioritized updates, balancing, SM-free
     overlapped traffic), each overridable by its own flag. The balancer, unless
@@ -353,6 +360,21 @@ def build_train_config(args: argparse.Namespace, gpu: bool) -> TrainConfig:
     DataConfig.__post_init__(data)  # the flags were set after construction
     ModelConfig.__post_init__(model)
     return cfg
+
+
+def check_devices(device: str, gpu: bool, local_ranks: int) -> None:
+    """``--device cuda`` needs CUDA, and NCCL one GPU per local rank (two ranks on one
+    GPU fail in NCCL's set-up): a ``ValueError`` naming the counts otherwise."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    if gpu and local_ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"{local_ranks} local ranks on CUDA need one GPU each; "
+            f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES); pass "
+            f"--nproc {torch.cuda.device_count()} or --device cpu"
+        )
 
 
 def check_launch(cfg: TrainConfig, world_size: int) -> None:
@@ -539,6 +561,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # a bad flag combination: one line naming it, before any rank starts
         cfg = build_train_config(args, gpu)
         balance = balance_config_from_args(args)
+        check_devices(args.device, gpu, local_ranks(args.nproc, in_torchrun))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
     except ValueError as e:
         print(f"freescale train: error: {e}", file=sys.stderr)

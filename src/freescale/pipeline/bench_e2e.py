@@ -1259,8 +1259,10 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     from ..cli import (
         _add_train_flags,
         build_train_config,
+        check_devices,
         check_launch,
         launch_local,
+        local_ranks,
         resolve_launch,
         resolve_mode,
     )
@@ -1315,6 +1317,7 @@ def bench_e2e_main(argv: list[str] | None = None) -> int:
     try:  # a bad value: one usage line naming it, before any rank starts
         cfg = build_train_config(args, gpu)
         apply_bench_defaults(cfg, {a.split("=")[0] for a in argv}, gpu, args.steps)
+        check_devices(args.device, gpu, local_ranks(args.nproc, in_torchrun))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
     except ValueError as e:
         p.error(str(e))
