@@ -384,6 +384,31 @@ def test_planner_cost_model_refit_and_state():
     assert other.plan(_meta(9)).same_as(plan)
 
 
+def test_planner_skips_rank_times_that_are_not_costs():
+    """A negative or non-finite rank time (a timing mis-attribution) is skipped and
+    counted, not fed to the fit, which would raise and end training; the fit of the
+    valid times is the one it would be without them."""
+    cfg = BalanceConfig(partitioner="kk", use_cost_model=True, refit_every=2)
+    planner, clean = Planner(cfg, world_size=8), Planner(cfg, world_size=8)
+    for step in range(1, 5):
+        plan = planner.plan(_meta(step))
+        times = 1e-4 * plan.rank_tokens + 1e-7 * plan.rank_sum_sq + 0.5
+        bad = times.copy()
+        bad[step % 8], bad[(step + 3) % 8] = -2.0, float("nan")
+        planner.observe(plan, bad)
+        keep = np.ones(8, dtype=bool)
+        keep[[step % 8, (step + 3) % 8]] = False
+        clean._measurements.extend(
+            (float(a), float(b), float(c))
+            for a, b, c, k in zip(plan.rank_tokens, plan.rank_sum_sq, times, keep)
+            if k
+        )
+    assert planner.rejected_measurements == 8
+    assert planner.cost_model.fitted
+    clean.cost_model.fit(list(clean._measurements))
+    assert planner.cost_model.to_dict() == clean.cost_model.to_dict()
+
+
 def test_planner_degenerate_fit_keeps_power_costs():
     """Times that do not grow with length fit ``a == b == 0``: every sample would cost 0
     and nothing could be balanced, so plans keep ``L^alpha`` (and move samples) until a

@@ -72,9 +72,13 @@ def test_single_process_train_writes_summary(tmp_path):
             str(summary),
             "--log",
             str(log),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
         ]
     )
     assert rc == 0
+    # --checkpoint-dir alone: one checkpoint, at the end (none was written before)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_3"]
     s = json.loads(summary.read_text())["summary"]
     assert s["steps"] == 3 and s["world_size"] == 1
     assert 0 < s["oracle_ne"] < 1 and s["eval_ne"] > 0
@@ -142,6 +146,7 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
         (["--global-batch-size", "6", "--nproc", "4"], "--global-batch-size 6"),
         (["--source", "movielens"], "--data-path"),
         (["--num-items", "0"], "num_items"),
+        (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
         *([(["--device", "cuda"], "CUDA is not available")] if NO_CUDA else []),
         (["--embedding-dim", "0"], "embedding_dim"),
         (["--num-heads", "3", "--embedding-dim", "32"], "num_heads 3"),

@@ -56,8 +56,17 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint root (follows 'latest') or a step_N folder to resume from",
     )
-    p.add_argument("--checkpoint-dir", default=None, help="write checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="write checkpoints here: at the end of training, and every --checkpoint-every steps",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (needs --checkpoint-dir; 0: at the end only)",
+    )
     p.add_argument(
         "--global-batch-size",
         type=int,
@@ -377,6 +386,14 @@ def check_devices(device: str, gpu: bool, local_ranks: int) -> None:
         )
 
 
+def check_checkpoint_flags(directory: str | None, every: int) -> None:
+    """``--checkpoint-every`` alone would save nothing: it needs ``--checkpoint-dir``."""
+    if every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+    if every and not directory:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+
+
 def check_launch(cfg: TrainConfig, world_size: int) -> None:
     """What every rank would find wrong at its first step, found before any rank starts
     (``ValueError`` naming the value): the global batch must split evenly over the
@@ -437,7 +454,7 @@ def run_rank(
             hooks.append(BalanceHook(balance))
         from .pipeline.checkpoint import CheckpointHook, load_checkpoint
 
-        if checkpoint_dir and checkpoint_every > 0:  # after the balancer (state order)
+        if checkpoint_dir:  # after the balancer (state order)
             hooks.append(CheckpointHook(checkpoint_dir, checkpoint_every))
         injector = faults.FaultInjector.from_env()  # test-only, FREESCALE_FAULT_*
         if injector is not None:
@@ -563,6 +580,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         balance = balance_config_from_args(args)
         check_devices(args.device, gpu, local_ranks(args.nproc, in_torchrun))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
+        check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every)
     except ValueError as e:
         print(f"freescale train: error: {e}", file=sys.stderr)
         return 2

@@ -300,6 +300,8 @@ class BalanceHook(TrainerHook):
         cm = self.planner.cost_model if self.planner is not None else None
         if cm is not None and cm.fitted and cm.fit_error is not None:
             s["cost_model_fit_error"] = cm.fit_error  # plan's "cost_model" says if used
+        if self.planner is not None and self.planner.rejected_measurements:
+            s["rejected_rank_times"] = self.planner.rejected_measurements  # run total
         if stats is not None:
             s.update(
                 local_samples_sent=stats.samples_sent,

@@ -432,6 +432,8 @@ class Planner:
         )
         self._measurements: deque[tuple[float, float, float]] = deque(maxlen=cfg.fit_window)
         self._observed = 0
+        # rank times that were not finite and >= 0 (a timing mis-attribution), skipped
+        self.rejected_measurements = 0
         self._fit_usable = self._length_matters()
         self._replay = PlanLog.read(cfg.replay_path) if cfg.replay_path else {}
         self._log: PlanLog | None = None
@@ -584,8 +586,12 @@ class Planner:
         tokens, sum_sq = plan.rank_tokens, plan.rank_sum_sq
         counts = plan.assignment.counts
         for r in range(self.world_size):
-            if counts[r] > 0:
-                self._measurements.append((float(tokens[r]), float(sum_sq[r]), float(t[r])))
+            if counts[r] == 0:
+                continue
+            if not (np.isfinite(t[r]) and t[r] >= 0):  # a timing artifact, not a cost: the
+                self.rejected_measurements += 1  # same skip on every rank (same times)
+                continue
+            self._measurements.append((float(tokens[r]), float(sum_sq[r]), float(t[r])))
         self._observed += 1
         cfg = self.config
         if cfg.use_cost_model and cfg.refit_every and self._observed % cfg.refit_every == 0:

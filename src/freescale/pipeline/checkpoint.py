@@ -539,18 +539,22 @@ class _RestoreAtStart(TrainerHook):
 # -------------------------------------------------------------------- hook
 class CheckpointHook(TrainerHook):
     """Saves a checkpoint every ``every`` steps (after the optimizer of step t, t % every
-    == 0) and, with ``final``, at the end of ``train()``. Keeps the newest ``keep``."""
+    == 0; ``every=0``: none during training) and, with ``final``, at the end of
+    ``train()``. Keeps the newest ``keep``."""
 
     def __init__(
         self, directory: str, every: int, keep: int | None = 3, final: bool = True
     ) -> None:
-        if every < 1:
-            raise ValueError(f"checkpoint every must be >= 1, got {every}")
+        if every < 0 or (every == 0 and not final):
+            raise ValueError(
+                f"checkpoint every must be >= 1 (or 0 with final=True: at the end only), "
+                f"got {every}"
+            )
         self.directory, self.every, self.keep, self.final = directory, every, keep, final
         self.last_saved: int | None = None
 
     def after_optimizer(self, trainer: Trainer, step: int) -> None:
-        if step % self.every == 0:
+        if self.every and step % self.every == 0:
             save_checkpoint(trainer, self.directory, step=step, keep=self.keep)
             self.last_saved = step
 

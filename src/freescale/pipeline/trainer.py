@@ -761,12 +761,8 @@ class Trainer:
                 marks("opt_end")
         finally:
             self._marks = None
-        for h in self.hooks:
-            h.after_optimizer(self, t)
-        self.step = t
-
-        if marks is None:
-            st = self.sparse.stats.times
+        if marks is None:  # before the hooks: sparse work they do (a checkpoint's flush)
+            st = self.sparse.stats.times  # is not this step's forward or backward
             times.values.update({f"emb.{k}": v for k, v in st.items()})
             fkeys = getattr(self.sparse, "forward_time_keys", ("id_dist", "lookup", "emb_a2a"))
             bkeys = getattr(self.sparse, "backward_time_keys", ("grad_a2a", "sparse_update"))
@@ -776,6 +772,9 @@ class Trainer:
                 "dense",
                 times.values["forward"] - fwd_sparse + times.values["backward"] - bwd_sparse,
             )
+        for h in self.hooks:
+            h.after_optimizer(self, t)
+        self.step = t
         return {
             "step": t,
             # with event timing: a pinned copy, complete once the step's marks are (read
