@@ -147,6 +147,7 @@ def test_mode_freescale_turns_every_technique_on_and_flags_override():
         (["--source", "movielens"], "--data-path"),
         (["--num-items", "0"], "num_items"),
         (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--resume", "/no/such/ckpt"], "--resume '/no/such/ckpt' does not exist"),
         *([(["--device", "cuda"], "CUDA is not available")] if NO_CUDA else []),
         (["--embedding-dim", "0"], "embedding_dim"),
         (["--num-heads", "3", "--embedding-dim", "32"], "num_heads 3"),
@@ -161,6 +162,18 @@ def test_bad_flag_combination_is_one_line_not_a_traceback(capsys, flags, names):
     err = capsys.readouterr().err
     assert err.startswith("freescale train: error: ") and names in err, err
     assert "Traceback" not in err
+
+
+def test_resume_of_the_runs_own_checkpoint_dir_may_not_exist_yet(tmp_path):
+    """``--checkpoint-dir D --resume D``: the first attempt of an elastic job starts fresh
+    (docs/faults.md), so the launch check lets a missing D through."""
+    from freescale.cli import check_resume
+
+    d = str(tmp_path / "ckpt")
+    check_resume(d, d)
+    check_resume(d + "/", d)
+    with pytest.raises(ValueError, match="does not exist"):
+        check_resume(d, str(tmp_path / "other"))
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])

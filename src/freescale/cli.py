@@ -394,6 +394,17 @@ def check_checkpoint_flags(directory: str | None, every: int) -> None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
 
 
+def check_resume(resume: str | None, checkpoint_dir: str | None) -> None:
+    """``--resume`` must exist, except when it is this run's own ``--checkpoint-dir``
+    (one command line for every attempt of an elastic job: the first starts fresh, see
+    ``faults.resume_point``)."""
+    if not resume or os.path.exists(resume):
+        return
+    if checkpoint_dir and os.path.abspath(resume) == os.path.abspath(checkpoint_dir):
+        return
+    raise ValueError(f"--resume {resume!r} does not exist")
+
+
 def check_launch(cfg: TrainConfig, world_size: int) -> None:
     """What every rank would find wrong at its first step, found before any rank starts
     (``ValueError`` naming the value): the global batch must split evenly over the
@@ -465,6 +476,12 @@ def run_rank(
             resume = faults.resume_point(resume, checkpoint_dir)
             if resume:
                 load_checkpoint(trainer, resume)
+                if trainer.step >= cfg.steps and ctx.rank == 0:
+                    print(
+                        f"freescale train: resumed at step {trainer.step}, --steps is "
+                        f"{cfg.steps}: nothing left to train (--steps is the run's total)",
+                        flush=True,
+                    )
             summary = trainer.train(max(cfg.steps - trainer.step, 0))
         except Exception as e:
             clear = monitor.explain(e)
@@ -581,6 +598,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_devices(args.device, gpu, local_ranks(args.nproc, in_torchrun))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]) if in_torchrun else args.nproc)
         check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every)
+        check_resume(args.resume, args.checkpoint_dir)
     except ValueError as e:
         print(f"freescale train: error: {e}", file=sys.stderr)
         return 2
