@@ -48,7 +48,7 @@ def test_train_help_exits_cleanly(capsys):
 
 
 def test_single_process_train_writes_summary(tmp_path):
-    summary = tmp_path / "s.json"
+    summary = tmp_path / "not" / "yet" / "s.json"  # folders made (it used to end the run)
     log = tmp_path / "log.jsonl"
     rc = main(
         [

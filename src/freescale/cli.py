@@ -493,7 +493,8 @@ def run_rank(
         trainer.close()
         if ctx.rank == 0:
             _print_summary(summary)
-            if summary_path:
+            if summary_path:  # its folder made, as --log's is
+                os.makedirs(os.path.dirname(os.path.abspath(summary_path)), exist_ok=True)
                 with open(summary_path, "w") as f:
                     json.dump({"summary": summary, "config": cfg_dict}, f, indent=2, default=float)
         return summary
