@@ -286,3 +286,74 @@ def test_ddp_keeps_each_ranks_rows_only_with_ddp_ignore_shards(pool2, ignore):
         assert res[0]["listed"] == ["alias.weight", "ec.weight"]
     else:
         assert res[0]["rows_kept"] and not res[1]["rows_kept"]
+
+
+def _bad_input_job(rank: int, world: int, case: str | None, bad_rank: int) -> dict:
+    from freescale.data.validate import BadInputError
+
+    tables = [TableConfig("item", 13, 4, ["uih", "cand"]), TableConfig("small", 5, 4, ["act"])]
+    ec = ShardedEmbeddingCollection(tables, Communicator(), SparseOptimConfig(kind="adam"))
+
+    def feats(step: int) -> dict:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        out = {}
+        for f, rows in (("uih", 13), ("cand", 13), ("act", 5)):
+            lengths = torch.randint(0, 4, (3,), generator=g)
+            out[f] = (torch.randint(0, rows, (int(lengths.sum()),), generator=g), lengths)
+        return out
+
+    message = None
+    if case is not None:
+        bad = feats(0)
+        if rank == bad_rank:
+            ids, lengths = bad["uih"]
+            lengths = torch.tensor([1, 2, 1])
+            if case == "too_large":
+                bad["uih"] = (torch.tensor([1, 2, 13, 0]), lengths)
+            elif case == "negative":
+                bad["uih"] = (torch.tensor([1, -3, 2, 0]), lengths)
+            elif case == "float":
+                bad["uih"] = (torch.tensor([1.0, 2.0, 3.0, 0.0]), lengths)
+            elif case == "missing":
+                del bad["act"]
+        ec.set_step(1, None)
+        try:
+            ec(bad)
+        except BadInputError as e:
+            message = str(e)
+    ec.set_step(1, None)  # a good step afterwards trains as if the bad one never came
+    out = ec(feats(1))
+    sum((v * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
+    return {"message": message, "weight": ec.weight.clone()}
+
+
+@pytest.mark.parametrize(
+    "case,world,what",
+    [
+        ("too_large", 2, "feature 'uih', sample 1: id 13 out of range [0, 13)"),
+        ("negative", 4, "feature 'uih', sample 1: id -3 out of range [0, 13)"),
+        ("float", 2, "feature 'uih': ids have dtype torch.float32"),
+        ("missing", 4, "feature 'act' missing"),
+    ],
+)
+def test_bad_ids_on_one_rank_raise_on_every_rank_before_any_exchange(
+    pool2, pool4, case, world, what
+):
+    """Bad input on one rank (ids out of range, negative or not integers; a feature
+    missing) is found before the id exchange and agreed on with the counts: every rank
+    raises BadInputError at once (no rank waits in a collective; it used to be an
+    IndexError on one rank and a timeout on the others), the bad rank names the feature,
+    sample and id, and nothing is applied: a good step afterwards ends with the tables
+    of a run without the bad step."""
+    pool = pool2 if world == 2 else pool4
+    bad_rank = world - 1
+    res = pool.run(_bad_input_job, case, bad_rank)
+    ref = pool.run(_bad_input_job, None, bad_rank)
+    for r, (got, want) in enumerate(zip(res, ref)):
+        msg = got["message"]
+        assert msg is not None and msg.startswith(f"rank {r}: "), msg
+        if r == bad_rank:
+            assert what in msg and "nothing was exchanged" in msg, msg
+        else:
+            assert f"the input of rank(s) [{bad_rank}] is bad" in msg, msg
+        assert torch.equal(got["weight"], want["weight"]), r

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..config import SparseOptimConfig, TableConfig
+from ..data.validate import BadInputError
 from ..kernels import ranged_combine, ranged_combine_backward, ranged_dispatch
 from ..kernels.reference import owner_counts
 from .optim import FusedSparseOptimizer
@@ -299,10 +300,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def forward(
         self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     ) -> dict[str, torch.Tensor]:
-        missing = [f for f in self.plan.features if f not in features]
-        if missing:
-            raise KeyError(f"ShardedEmbeddingCollection: missing features {missing}")
-        state = self.input_dist(features)
+        state = self.input_dist(features)  # bad input: every rank raises there
         anchor = self._anchor
         if torch.is_grad_enabled() and self.training:
             flat = _VanillaExchange.apply(anchor, self, state)
@@ -364,6 +362,55 @@ class ShardedEmbeddingCollection(nn.Module):
         hit = self._known_counts.get(id(key))
         return hit[1] if hit is not None and hit[0] is key else None
 
+    def _input_problem(
+        self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> str | None:
+        """What is wrong with ``features`` before looking at any id value: a missing
+        feature, or ids that are not integers."""
+        for f in self.plan.features:
+            if f not in features:
+                return f"feature '{f}' missing (features given: {sorted(features)})"
+            ids = features[f][0]
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                return f"feature '{f}': ids have dtype {ids.dtype}, expected an integer dtype"
+        return None
+
+    def _id_extremes(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[K, 2]`` (min, max) id of each feature on the device (0, 0 when empty)."""
+        rows = [torch.stack(torch.aminmax(v)) if v.numel() else None for v in values]
+        zero = torch.zeros(2, dtype=torch.int64, device=self.device)
+        return torch.stack([zero if r is None else r for r in rows]) if rows else zero[:0]
+
+    def _range_problem(
+        self, features: Mapping[str, tuple[torch.Tensor, torch.Tensor]], extremes: torch.Tensor
+    ) -> str | None:
+        """The first id outside its table's rows, with its feature, sample and position
+        (the error path reads the ids back; the check itself is the extremes)."""
+        for i, f in enumerate(self.plan.features):
+            rows = self.plan.tables[self.plan.feature_table[i]].num_embeddings
+            lo, hi = int(extremes[i, 0]), int(extremes[i, 1])
+            if lo >= 0 and hi < rows:
+                continue
+            ids, lengths = features[f][0].cpu(), features[f][1].cpu().to(torch.int64)
+            pos = int(((ids < 0) | (ids >= rows)).nonzero()[0, 0])
+            sample = int(torch.searchsorted(lengths.cumsum(0), pos, right=True))
+            return (
+                f"feature '{f}', sample {sample}: id {int(ids[pos])} out of range [0, {rows}) "
+                f"(table '{self.plan.tables[self.plan.feature_table[i]].name}', flat position "
+                f"{pos})"
+            )
+        return None
+
+    def _bad_input_message(self, problem: str | None, bad: Sequence[int]) -> str:
+        ranks = [r for r, b in enumerate(bad) if b]
+        me = self.comm.rank
+        if problem is not None:
+            return f"rank {me}: {problem}; nothing was exchanged (bad input on ranks {ranks})"
+        return (
+            f"rank {me}: the input of rank(s) {ranks} is bad (see their error); nothing was "
+            "exchanged"
+        )
+
     def input_dist(
         self,
         features: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
@@ -379,19 +426,41 @@ class ShardedEmbeddingCollection(nn.Module):
         against the device path bit for bit)."""
         t0 = self._tic()
         plan, w = self.plan, self.comm.world_size
-        values = [features[f][0].to(self.device, torch.int64) for f in plan.features]
-        lengths = {f: features[f][1] for f in plan.features}
-        sizes = [int(v.numel()) for v in values]
-        cat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        # one segment per feature: lengths [K] in key-major order, batch of one
-        seg_lengths = torch.tensor(sizes, dtype=torch.int64).to(self.device, non_blocking=True)
-        res = ranged_dispatch(cat, seg_lengths, self._block_sizes_dev, w)
         if counts is None:
             counts = self._registered_counts(features)
+        checked = counts is None  # counts known ahead come from a validated host batch
+        problem = self._input_problem(features) if checked else None
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        values = [
+            empty if problem is not None else features[f][0].to(self.device, torch.int64)
+            for f in plan.features
+        ]
+        lengths = {f: features[f][1] if f in features else empty for f in plan.features}
+        sizes = [int(v.numel()) for v in values]
+        cat = torch.cat(values) if values else empty
+        # one segment per feature: lengths [K] in key-major order, batch of one
+        seg_lengths = torch.tensor(sizes, dtype=torch.int64).to(self.device, non_blocking=True)
+        if checked:  # each feature's id range, read with the counts (no extra sync); a
+            extremes = self._id_extremes(values)  # negative id would misroute the dispatch
+            cat = cat.clamp_min(0)
+        res = ranged_dispatch(cat, seg_lengths, self._block_sizes_dev, w)
         if counts is None:
+            # every rank's counts plus one column: whether its input was bad, so that all
+            # ranks raise here together, before any id moves (no rank left in a collective)
             key_counts = res.key_counts.to(torch.int64)  # [W, K]
-            recv_counts = self.comm.exchange_counts(key_counts.cpu(), name="id_counts")
-            send_splits = res.splits.cpu().tolist()
+            host = torch.cat([key_counts.reshape(-1), extremes.reshape(-1)]).cpu()
+            k = len(plan.features)
+            key_counts, extremes = host[: w * k].reshape(w, k), host[w * k :].reshape(-1, 2)
+            if problem is None:
+                problem = self._range_problem(features, extremes)
+            flag = torch.full((w, 1), int(problem is not None), dtype=torch.int64)
+            exchanged = self.comm.exchange_counts(
+                torch.cat([key_counts, flag], dim=1), name="id_counts"
+            )
+            recv_counts, bad = exchanged[:, :k], exchanged[:, k].tolist()
+            if any(bad):
+                raise BadInputError(self._bad_input_message(problem, bad))
+            send_splits = key_counts.sum(1).tolist()
         else:
             key_counts, recv_counts = counts
             send_splits = key_counts.sum(1).tolist()
