@@ -439,3 +439,43 @@ def test_step_index_advances_without_set_step() -> None:
         m(kjt, labels).backward()
         steps.append((fs.sparse._step, fs.sparse._lr))
     assert steps == [(1, None), (2, None), (10, 0.01), (11, 0.01)]
+
+
+def _bad_kjt_job(rank: int, world: int, case: str) -> str:
+    import torch.distributed as dist
+
+    from freescale.comm.base import Communicator
+    from freescale.config import SparseOptimConfig
+    from freescale.data.validate import BadInputError
+    from freescale.integrations.torchrec import shard_model
+
+    torch.manual_seed(SEED)
+    model = UserModel().double()
+    comm = Communicator(dist.new_group(), name="embedding")
+    shard_model(model, comm, SparseOptimConfig(kind="sgd", lr=LR))
+    kjt, labels = kjt_of(0, local_samples(rank, world))
+    if rank == world - 1:
+        d = kjt.to_dict()
+        if case == "missing":
+            del d["act"]
+        else:  # an id past the item table
+            hist = d["hist"].values().clone()
+            hist[0] = NUM_ITEMS
+            d["hist"] = torchrec.JaggedTensor(values=hist, lengths=d["hist"].lengths())
+        kjt = KeyedJaggedTensor.from_jt_dict(d)
+    try:
+        model(kjt, labels)
+    except BadInputError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["missing", "out_of_range"])
+def test_bad_kjt_on_one_rank_raises_on_every_rank(pool2, case: str) -> None:
+    """A KJT that lacks a feature, or holds an id past its table, on one rank only: both
+    ranks raise BadInputError at the id exchange (the wrapper's own KeyError used to
+    leave the other rank waiting in the collective)."""
+    res = pool2.run(_bad_kjt_job, case)
+    assert res[0].startswith("rank 0: the input of rank(s) [1] is bad"), res
+    what = "feature 'act' missing" if case == "missing" else f"id {NUM_ITEMS} out of range"
+    assert res[1].startswith("rank 1: ") and what in res[1], res

@@ -815,15 +815,9 @@ class FreeScaleEmbeddingCollection(nn.Module):
 
         jts = features.to_dict()
         own = self.sparse.features
-        missing = [f for f in own if f not in jts]
-        if missing:
-            raise KeyError(
-                f"FreeScaleEmbeddingCollection: the KJT lacks feature(s) {missing} "
-                f"(keys {list(jts)})"
-            )
-        feats = {
-            f: (jts[f].values().to(torch.int64), jts[f].lengths().to(torch.int64)) for f in own
-        }
+        # a feature the KJT lacks is the collection's BadInputError, raised on every rank
+        # at the id exchange (a local KeyError here would leave the other ranks waiting)
+        feats = {f: (jts[f].values(), jts[f].lengths().to(torch.int64)) for f in own if f in jts}
         training = torch.is_grad_enabled() and self.training
         if training:
             if not self._step_given:  # an unchanged loop: advance the step index
