@@ -357,3 +357,40 @@ def test_bad_ids_on_one_rank_raise_on_every_rank_before_any_exchange(
         else:
             assert f"the input of rank(s) [{bad_rank}] is bad" in msg, msg
         assert torch.equal(got["weight"], want["weight"]), r
+
+
+def _bad_next_job(rank: int, world: int, mode: str) -> list[str]:
+    from freescale.data.validate import BadInputError
+    from freescale.embedding.prioritized import make_embedding_collection
+
+    ec = make_embedding_collection(
+        mode, [TableConfig("t", 10, 4, ["f"])], Communicator(), SparseOptimConfig()
+    )
+    good = {"f": (torch.tensor([1, 2, 3]), torch.tensor([3]))}
+    ids = torch.tensor([1, 12]) if rank == world - 1 else torch.tensor([4, 5])
+    bad = {"f": (ids, torch.tensor([2]))}
+    out = []
+    ec.set_step(1, None)
+    try:
+        ec(good, next_features=bad)
+        out.append("no error")
+    except BadInputError as e:
+        out.append(str(e))
+    ec.flush()  # abandon the step, on every rank
+    for step, nxt in ((2, good), (3, None)):
+        ec.set_step(step, None)
+        ec(good, next_features=nxt)["f"].sum().backward()
+    ec.flush()
+    out.append("trained on")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sdd", "prioritized"])
+def test_bad_next_features_raise_on_every_rank_and_flush_recovers(pool2, mode):
+    """The look-ahead schedules exchange step t+1's ids during step t: an id out of range
+    there on one rank makes every rank raise in the same forward (the count exchange of
+    t+1's id dist carries the flag), and after ``flush()`` training goes on."""
+    res = pool2.run(_bad_next_job, mode)
+    assert res[0][0].startswith("rank 0: the input of rank(s) [1] is bad"), res
+    assert res[1][0].startswith("rank 1: feature 'f', sample 0: id 12 out of range"), res
+    assert all(r[1] == "trained on" for r in res), res
