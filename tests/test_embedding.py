@@ -359,20 +359,29 @@ def test_bad_ids_on_one_rank_raise_on_every_rank_before_any_exchange(
         assert torch.equal(got["weight"], want["weight"]), r
 
 
-def _bad_next_job(rank: int, world: int, mode: str) -> list[str]:
+def _bad_next_job(rank: int, world: int, mode: str, case: str) -> list[str]:
     from freescale.data.validate import BadInputError
     from freescale.embedding.prioritized import make_embedding_collection
 
-    ec = make_embedding_collection(
-        mode, [TableConfig("t", 10, 4, ["f"])], Communicator(), SparseOptimConfig()
-    )
-    good = {"f": (torch.tensor([1, 2, 3]), torch.tensor([3]))}
-    ids = torch.tensor([1, 12]) if rank == world - 1 else torch.tensor([4, 5])
-    bad = {"f": (ids, torch.tensor([2]))}
+    tables = [TableConfig("t", 10, 4, ["f"]), TableConfig("u", 5, 4, ["g"])]
+    ec = make_embedding_collection(mode, tables, Communicator(), SparseOptimConfig())
+    good = {
+        "f": (torch.tensor([1, 2, 3]), torch.tensor([3])),
+        "g": (torch.tensor([0]), torch.tensor([1])),
+    }
+    bad = dict(good)
+    if rank == world - 1:
+        if case == "out_of_range":
+            bad["f"] = (torch.tensor([1, 12]), torch.tensor([2]))
+        else:
+            del bad["g"]
     out = []
     ec.set_step(1, None)
     try:
-        ec(good, next_features=bad)
+        if case == "missing_now":  # the first step: no look-ahead yet
+            ec(bad, next_features=good)
+        else:
+            ec(good, next_features=bad)
         out.append("no error")
     except BadInputError as e:
         out.append(str(e))
@@ -385,12 +394,16 @@ def _bad_next_job(rank: int, world: int, mode: str) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("case", ["out_of_range", "missing_next", "missing_now"])
 @pytest.mark.parametrize("mode", ["sdd", "prioritized"])
-def test_bad_next_features_raise_on_every_rank_and_flush_recovers(pool2, mode):
+def test_bad_next_features_raise_on_every_rank_and_flush_recovers(pool2, mode, case):
     """The look-ahead schedules exchange step t+1's ids during step t: an id out of range
-    there on one rank makes every rank raise in the same forward (the count exchange of
-    t+1's id dist carries the flag), and after ``flush()`` training goes on."""
-    res = pool2.run(_bad_next_job, mode)
+    or a feature missing there on one rank (or missing from the first step, which has no
+    look-ahead) makes every rank raise in the same forward (the count exchange of the id
+    dist carries the flag; it used to be a local KeyError), and after ``flush()``
+    training goes on."""
+    res = pool2.run(_bad_next_job, mode, case)
     assert res[0][0].startswith("rank 0: the input of rank(s) [1] is bad"), res
-    assert res[1][0].startswith("rank 1: feature 'f', sample 0: id 12 out of range"), res
+    what = "id 12 out of range" if case == "out_of_range" else "feature 'g' missing"
+    assert res[1][0].startswith("rank 1: feature ") and what in res[1][0], res
     assert all(r[1] == "trained on" for r in res), res

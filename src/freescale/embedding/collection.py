@@ -661,6 +661,11 @@ def check_lookahead(
     the ids of step t+1 (``features``); a clear ``ValueError`` naming the feature
     otherwise. Cheap when the caller passes the same tensors (identity first)."""
     for f, v0, l0 in zip(feature_names, ahead_values, ahead_lengths):
+        if f not in features:
+            raise ValueError(
+                f"{owner}: feature '{f}' is missing from this step, but was given in the "
+                "next_features of the previous step"
+            )
         v, ln = features[f]
         same_v = v is v0 or (v.shape == v0.shape and torch.equal(v.to(v0.device), v0))
         same_l = ln is l0 or (ln.shape == l0.shape and torch.equal(ln.to(l0.device), l0))

@@ -530,9 +530,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def forward(  # type: ignore[override]
         self, features: Features, next_features: Features | None = None
     ) -> dict[str, torch.Tensor]:
-        missing = [f for f in self.plan.features if f not in features]
-        if missing:
-            raise KeyError(f"PrioritizedEmbeddingCollection: missing features {missing}")
+        # a missing feature (or bad ids) is BadInputError on every rank at the id exchange
+        # that takes them (input_dist); features already looked ahead are checked
+        # against that look-ahead (check_lookahead)
         if not (torch.is_grad_enabled() and self.training):
             # evaluation: every deferred write first, then the plain lookup
             if self._has_pending():
@@ -545,10 +545,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 "PrioritizedEmbeddingCollection: training forward of a new step before the "
                 "backward of the previous one (call flush() to abandon a step)"
             )
-        if next_features is not None:
-            missing = [f for f in self.plan.features if f not in next_features]
-            if missing:
-                raise KeyError(f"PrioritizedEmbeddingCollection: next_features lack {missing}")
         compute = self._compute_stream()
         if self._side_stream is not None:
             self._side_stream.wait_stream(compute)

@@ -155,16 +155,12 @@ class SddEmbeddingCollection(ShardedEmbeddingCollection):
     def forward(  # type: ignore[override]
         self, features: Features, next_features: Features | None = None
     ) -> dict[str, torch.Tensor]:
-        missing = [f for f in self.plan.features if f not in features]
-        if missing:
-            raise KeyError(f"SddEmbeddingCollection: missing features {missing}")
+        # a missing feature (or bad ids) is BadInputError on every rank at the id exchange
+        # that takes them (input_dist); features already looked ahead are checked
+        # against that look-ahead (check_lookahead)
         if not (torch.is_grad_enabled() and self.training):
             self.flush()  # evaluation: the lookahead is dropped, the lookup is vanilla's
             return super().forward(features)
-        if next_features is not None:
-            missing = [f for f in self.plan.features if f not in next_features]
-            if missing:
-                raise KeyError(f"SddEmbeddingCollection: next_features lack {missing}")
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             st = self.input_dist(features)
@@ -203,8 +199,9 @@ class SddEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _look_ahead(self, next_features: Features) -> _Ahead:
         """Step t+1's id dist on the side communicator (and, on CUDA, the side stream)."""
-        values = [next_features[f][0] for f in self.plan.features]
-        lengths = [next_features[f][1] for f in self.plan.features]
+        # a feature missing here is input_dist's BadInputError, raised on every rank
+        values = [next_features[f][0] for f in self.plan.features if f in next_features]
+        lengths = [next_features[f][1] for f in self.plan.features if f in next_features]
         main, self.comm = self.comm, self.side_comm
         self._running_ahead = True
         try:
