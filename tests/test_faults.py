@@ -184,13 +184,15 @@ def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     line = next(ln for ln in out.splitlines() if "[freescale rank 0] RankLost" in ln)
     assert "(gloo) failed at step 3" in line and "rank 1" in line, line
     assert "has exited" in line or "heartbeat stopped" in line, line
-    # and the launcher names the killed rank as the root cause
-    assert "ChildFailedError" in out and "SIGKILL" in out, out
-    assert (
-        out.strip()
-        .splitlines()[-1]
-        .startswith("freescale: rank 1 failed (exit code -9): ended by SIGKILL")
-    ), out
+    # and the launcher's report ends in one line naming the failure: the killed rank
+    # (SIGKILL) as root cause, or, when torch's launcher observes rank 0's error first (a
+    # race in its join: it happened in 1 of 4 clean CI runs of session 31), rank 0's
+    # RankLost, which names rank 1 as dead
+    assert "ChildFailedError" in out, out
+    last = out.strip().splitlines()[-1]
+    killed = last.startswith("freescale: rank 1 failed (exit code -9): ended by SIGKILL")
+    lost = last.startswith("freescale: rank 0 failed (exit code 1): RankLost: ")
+    assert killed or (lost and "rank 1 did not arrive" in last and "dead" in last), last
 
 
 @pytest.mark.parametrize("data_thread", ["off", "on"])
