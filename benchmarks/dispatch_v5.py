@@ -99,6 +99,19 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                "unroll": 2, "scatter": "ranks"},
     "ranks_t4096_c4_s16_u2": {"tile": 4096, "count_warps": 4, "scatter_warps": 16, "unroll": 2,
                               "scatter": "ranks"},
+    # session 32: int32 output positions per staged slot (`V5Config.slots`), on the
+    # default configurations
+    "v5_t2048_w4_u4_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4,
+                           "slots": "pos"},
+    "v5_t2048_w4_u4_cols_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 4,
+                                "unroll": 4, "counts": "columns", "slots": "pos"},
+    "ranks_t2048_c4_s8_u4_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "slots": "pos"},
+    "ranks_t2048_c4_s8_u4_cols_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                      "unroll": 4, "scatter": "ranks", "counts": "columns",
+                                      "slots": "pos"},
+    "ranks_t4096_c8_s16_u2_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 2, "scatter": "ranks", "slots": "pos"},
 }  # fmt: skip
 
 
@@ -151,6 +164,16 @@ def check(v5, g: torch.Generator) -> int:
                         v5.V5Config(scatter="ranks", counts="columns"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks", counts="columns"),
+                        # session 32: int32 output positions per staged slot
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    slots="pos"),
+                        v5.V5Config(tile=2048, count_warps=4, scatter_warps=4, slots="pos"),
+                        v5.V5Config(tile=256, count_warps=2, scatter_warps=8, unroll=2,
+                                    scatter="ranks", slots="pos"),
+                        v5.V5Config(tile=2048, count_warps=4, scatter_warps=8,
+                                    scatter="ranks", slots="pos"),
+                        v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
+                                    scatter="ranks", counts="columns", slots="pos"),
                     ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue

@@ -74,6 +74,8 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(scatter="sorted"))
     with pytest.raises(ValueError, match="counts must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(counts="cols"))
+    with pytest.raises(ValueError, match="slots must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(slots="both"))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -117,22 +119,22 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype,scatter,counts",
+    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots",
     [
-        (1, 256, 1, 1, False, "int32", "staged", "rows"),
-        (7, 256, 2, 2, True, "int64", "staged", "columns"),
-        (1000, 1024, 8, 8, False, "int32", "staged", "rows"),
-        (1024, 4096, 8, 4, False, "int64", "staged", "rows"),
-        (4096, 2048, 4, 4, True, "int64", "staged", "columns"),
-        (1, 256, 1, 1, False, "int32", "ranks", "rows"),
-        (7, 256, 8, 2, True, "int64", "ranks", "rows"),
-        (1024, 4096, 8, 4, False, "int64", "ranks", "columns"),
-        (4096, 2048, 4, 4, True, "int32", "ranks", "rows"),
-        (1023, 4096, 16, 2, False, "int64", "ranks", "rows"),
+        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest"),
+        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos"),
+        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest"),
+        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos"),
+        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest"),
+        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos"),
+        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest"),
+        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest"),
+        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos"),
+        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
-    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts
+    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts, slots
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -144,11 +146,12 @@ import json
 import torch
 from freescale.kernels import triton_dispatch_v5 as v5
 cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
-                  scatter="{scatter}", counts="{counts}")
+                  scatter="{scatter}", counts="{counts}", slots="{slots}")
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
 used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
+used += ("st.shared.u32",) if cfg.slots == "pos" else ()
 assert "atom.shared" in kernels["count"].asm["ptx"]
 assert "div.s64" not in ptx  # block owners without a 64-bit division (v4's _owner)
 print(json.dumps({{

@@ -330,18 +330,22 @@ def _zero_words(OFF: gl.constexpr, WORDS: gl.constexpr, e, CH: gl.constexpr):
 
 @gluon.jit
 def _write_staged(out_values_ptr, n_t, e2, VAL: gl.constexpr, DSLOT: gl.constexpr,
-                  SHIFT: gl.constexpr, STEP: gl.constexpr):  # fmt: skip
-    """Step (d) of both scatters: the staged values in slot order to
-    out[SHIFT[dest of the slot] + slot], STEP (= len(e2)) consecutive slots per pass."""
+                  SHIFT: gl.constexpr, STEP: gl.constexpr, POS: gl.constexpr):  # fmt: skip
+    """Step (d) of both scatters: the staged values in slot order, STEP (= len(e2))
+    consecutive slots per pass, to out[SHIFT[dest of the slot] + slot] (DSLOT holds
+    uint16 dests) or, with POS, to out[DSLOT[slot]] (int32 output positions: one
+    sequential shared load per slot instead of a sequential and a random one)."""
     for j0 in range(0, n_t, STEP):
         j = j0 + e2
         m = j < n_t
         jc = gl.where(m, j, 0)
         v = _sh_ld64(VAL + jc * 8)
-        d = _sh_ld16(DSLOT + jc * 2)
-        shift = _sh_ld64(SHIFT + d * 8)
-        gl.store(out_values_ptr + shift + jc.to(gl.int64),
-                 v.to(out_values_ptr.dtype.element_ty), mask=m)  # fmt: skip
+        if POS:
+            at = _sh_ld32(DSLOT + jc * 4).to(gl.int64)
+        else:
+            d = _sh_ld16(DSLOT + jc * 2)
+            at = _sh_ld64(SHIFT + d * 8) + jc.to(gl.int64)
+        gl.store(out_values_ptr + at, v.to(out_values_ptr.dtype.element_ty), mask=m)
 
 
 @gluon.jit
@@ -505,6 +509,7 @@ def _v5_scatter_kernel(
     TILE: gl.constexpr,
     NW: gl.constexpr,
     U: gl.constexpr,
+    POS: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -514,7 +519,8 @@ def _v5_scatter_kernel(
     reserved buffer): VAL [TILE] int64 staging; SHIFT [W] int64 (et[t, d] minus the
     tile-local start of d); WC [NW][WROW] uint16 per-warp counters / running slots
     (WROW: W rounded up to 4); DIN [TILE] uint16 (dest of each input id); DSLOT [TILE]
-    uint16 (dest of each slot); WTOT [NW] int32 (the warps' totals in the scan of step
+    uint16 (dest of each slot; with POS: int32 output position); WTOT [NW] int32 (the
+    warps' totals in the scan of step
     b). The bytes are reserved as up to four buffers of B0 > B1 > B2 > B3 words (powers
     of two, 0: none; the binary digits of the size), which Triton's allocator lays out
     largest first, i.e. as one contiguous range from offset 0 (`check_layout` checks it
@@ -527,7 +533,7 @@ def _v5_scatter_kernel(
     WC_WORDS: gl.constexpr = NW * WROW // 2
     DIN: gl.constexpr = WC + WC_WORDS * 4
     DSLOT: gl.constexpr = DIN + TILE * 2
-    WTOT: gl.constexpr = DSLOT + TILE * 2
+    WTOT: gl.constexpr = DSLOT + TILE * (4 if POS else 2)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
     if B1 > 0:
@@ -602,12 +608,15 @@ def _v5_scatter_kernel(
         else:
             local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, ids // WORLD)
         _sh_st64(VAL + slotc * 8, local, mi)
-        _sh_st16(DSLOT + slotc * 2, dc, mi)
         shift = _sh_ld64(SHIFT + dc * 8)
+        if POS:
+            _sh_st32(DSLOT + slotc * 4, (shift + slotc.to(gl.int64)).to(gl.int32), mi)
+        else:
+            _sh_st16(DSLOT + slotc * 2, dc, mi)
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U)
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -632,6 +641,7 @@ def _v5_scatter_ranks_kernel(
     TILE: gl.constexpr,
     NW: gl.constexpr,
     U: gl.constexpr,
+    POS: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -642,7 +652,8 @@ def _v5_scatter_ranks_kernel(
     accesses of placement run after it, U ids per thread at a time, in any order.
     Shared layout (bytes): VAL [TILE] int64 staging; SHIFT [W] int64; WC [NW][WROW]
     uint16 per-warp counters, then slot starts (WROW: W rounded up to 4); DSLOT [TILE]
-    uint16 (dest of each slot); RNK [TILE] uint16 (rank of each input id among its
+    uint16 (dest of each slot; with POS: int32 output position); RNK [TILE] uint16
+    (rank of each input id among its
     warp's ids of the same dest); WTOT [NW] int32. Reserved as `_v5_scatter_kernel`
     does."""
     CH: gl.constexpr = NW * 32
@@ -653,7 +664,7 @@ def _v5_scatter_ranks_kernel(
     WC: gl.constexpr = SHIFT + WORLD * 8
     WC_WORDS: gl.constexpr = NW * WROW // 2
     DSLOT: gl.constexpr = WC + WC_WORDS * 4
-    RNK: gl.constexpr = DSLOT + TILE * 2
+    RNK: gl.constexpr = DSLOT + TILE * (4 if POS else 2)
     WTOT: gl.constexpr = RNK + TILE * 2
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
@@ -719,12 +730,15 @@ def _v5_scatter_ranks_kernel(
             local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, ids // WORLD)
         mi = m.to(gl.int32)
         _sh_st64(VAL + slot * 8, local, mi)
-        _sh_st16(DSLOT + slot * 2, d, mi)
         shift = _sh_ld64(SHIFT + d * 8)
+        if POS:
+            _sh_st32(DSLOT + slot * 4, (shift + slot.to(gl.int64)).to(gl.int32), mi)
+        else:
+            _sh_st16(DSLOT + slot * 2, d, mi)
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U)
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -761,6 +775,10 @@ class V5Config:
         (3.6-4.4 us); at W = 128 its strided stores cost 13 us more than the transpose's
         9; at W = 1024, 194-547 us more than its 34. The default stays "rows"
         everywhere (what `kernels.json` measured).
+    slots: what the scatter keeps per staged slot for its write-out: "dest" (uint16; the
+        write-out looks up the dest's output shift, a random shared load per id) or
+        "pos" (the int32 output position itself, 2 bytes more per id; calls of 2^31 ids
+        or more use "dest").
     """
 
     tile: int = 4096
@@ -770,6 +788,7 @@ class V5Config:
     unroll: int = 4
     scatter: str = "staged"
     counts: str = "rows"
+    slots: str = "dest"
 
 
 def default_config_v5(world_size: int) -> V5Config:
@@ -787,13 +806,17 @@ def default_config_v5(world_size: int) -> V5Config:
 
 SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
+SLOTS = ("dest", "pos")
 
 
-def scatter_smem_bytes(cfg: V5Config, world_size: int) -> int:
+def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = None) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4): per id
-    12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest)."""
+    12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest), 14
+    where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``)."""
+    pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
-    return cfg.tile * 12 + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
+    per_id = 14 if pos else 12
+    return cfg.tile * per_id + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
 
 
 def _scatter_kernel(cfg: V5Config):
@@ -814,6 +837,8 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"scatter must be one of {SCATTERS}, got {cfg.scatter!r}")
     if cfg.counts not in COUNTS:
         raise ValueError(f"counts must be one of {COUNTS}, got {cfg.counts!r}")
+    if cfg.slots not in SLOTS:
+        raise ValueError(f"slots must be one of {SLOTS}, got {cfg.slots!r}")
     if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
         raise ValueError(
             f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
@@ -923,7 +948,8 @@ def compile_v5(
         {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
          "out_values_ptr": vt, "perm_ptr": i64},
         {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": sw, "U": cfg.unroll,
-         "B0": bufs[0], "B1": bufs[1], "B2": bufs[2], "B3": bufs[3]},
+         "POS": cfg.slots == "pos", "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
+         "B3": bufs[3]},
         sw,
     )  # fmt: skip
     check_layout(scatter, [4 * b for b in bufs if b])
@@ -1010,13 +1036,15 @@ def ranged_dispatch_v5(
     out_values = torch.empty_like(values)
     perm = torch.empty(n, dtype=torch.int64, device=dev)
     sw = cfg.scatter_warps
-    bufs = buffer_words(scatter_smem_bytes(cfg, world_size), sw * 32)
+    pos = cfg.slots == "pos" and index_dtype == torch.int32  # positions fit int32
+    bufs = buffer_words(scatter_smem_bytes(cfg, world_size, pos), sw * 32)
     _launch(
         _scatter_kernel(cfg),
         (num_tiles,),
         (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
-        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "U": cfg.unroll, "B0": bufs[0],
-         "B1": bufs[1], "B2": bufs[2], "B3": bufs[3], "num_warps": sw},
+        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "U": cfg.unroll,
+         "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2], "B3": bufs[3],
+         "num_warps": sw},
         [4 * b for b in bufs if b],
     )  # fmt: skip
     return DispatchResult(
