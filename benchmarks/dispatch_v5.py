@@ -9,8 +9,9 @@ accesses). This script:
    (W = 1 .. 4096, int32 and int64, block and modulo, empty segments, ids at range
    borders, segments crossing tiles, several tiles and warp counts, both scatters); any
    mismatch ends the run with exit 1 before timing;
-2. times v4 (defaults) and v5 (its defaults, `default_config_v5`, and a few tile x warps
-   configs) on `kernels.py`'s large workload (2^26 ids, 4 keys, 8192 samples) and v4 /
+2. times v4 (defaults) and v5 (its defaults for this card, `default_config_v5`; on a
+   card with its own table also the H200 table's choice, row "v5_h200_table"; and a few
+   tile x warps configs) on `kernels.py`'s large workload (2^26 ids, 4 keys, 8192 samples) and v4 /
    v5 defaults on its per-rank one (128 samples, ~1M ids) at W = 8 .. 1024 (CUDA events,
    `triton.testing.do_bench` median), each call first checked equal to v4's output;
 3. splits one call of each into kernels (torch.profiler), at W = 8, 32, 128 and 1024.
@@ -110,6 +111,10 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
     "ranks_t2048_c4_s8_u4_cols_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
                                       "unroll": 4, "scatter": "ranks", "counts": "columns",
                                       "slots": "pos"},
+    "v5_t2048_c4_s8_u4_pos": {"tile": 2048, "count_warps": 4, "scatter_warps": 8, "unroll": 4,
+                              "slots": "pos"},
+    "v5_t4096_w8_u4_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 8, "unroll": 4,
+                           "slots": "pos"},
     "ranks_t4096_c8_s16_u2_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 2, "scatter": "ranks", "slots": "pos"},
 }  # fmt: skip
@@ -295,6 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from freescale.kernels import triton_dispatch_v5 as v5
 
     dev = torch.device("cuda")
+    card = v5.device_name(torch.device("cuda", torch.cuda.current_device()))
     if args.ncu_config:
         wl = make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)
         cfg = v5.V5Config(**CONFIGS[args.ncu_config])
@@ -334,6 +340,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 # what FREESCALE_TRITON_DISPATCH=v5 runs: default_config_v5
                 "v5_default": lambda a=a: v5.ranged_dispatch_v5(*a),
             }
+            h200 = v5.default_config_v5(w, "NVIDIA H200")
+            if v5.default_config_v5(w, card) != h200:  # this card has its own table
+                fns["v5_h200_table"] = lambda a=a, c=h200: v5.ranged_dispatch_v5(*a, config=c)
             for cname in args.configs if name == "large" else ():
                 cfg = v5.V5Config(**CONFIGS[cname])
                 if v5.v5_supported(w, None, cfg):

@@ -529,8 +529,10 @@ def test_v5_request_runs_v4_where_v5_cannot(gen, monkeypatch):
     cuda_call = types.SimpleNamespace(device=torch.device("cuda"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(ops, "_cuda_capability", lambda device: (9, 0))
-    assert ops._v5_runs(cuda_call, 1024, None)
-    assert ops._v5_runs(cuda_call, ops.V5_MAX_WORLD, None)
+    for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):  # v5's two default tables
+        monkeypatch.setattr(ops, "_cuda_name", lambda device, c=card: c)
+        assert ops._v5_runs(cuda_call, 1024, None)
+        assert ops._v5_runs(cuda_call, ops.V5_MAX_WORLD, None)
     for other in ((8, 0), (10, 0), (12, 0)):  # not the H100/H200 it was checked on
         monkeypatch.setattr(ops, "_cuda_capability", lambda device, c=other: c)
         assert not ops._v5_runs(cuda_call, 1024, None), other

@@ -99,6 +99,14 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     assert v5.default_config_v5(31).scatter == "staged"
     assert v5.default_config_v5(32).scatter == "ranks"
     assert v5.default_config_v5(257).scatter_warps == 16
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: one config at every W
+        for world in range(1, v5.V5_MAX_WORLD + 1):
+            cfg = v5.default_config_v5(world, name)
+            assert cfg == v5.default_config_v5(1024), (name, world)
+            assert v5.v5_supported(world, None, cfg), (name, world)
+    for name in ("NVIDIA H200", "NVIDIA GH200 480GB", None):  # the H200 table
+        assert v5.default_config_v5(8, name) == v5.default_config_v5(8)
+        assert v5.default_config_v5(64, name).tile == 2048
 
 
 def _run_fresh(tmp_path, code: str) -> dict:

@@ -66,6 +66,12 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _cuda_name(device: torch.device) -> str:
+    from freescale.kernels.triton_dispatch_v5 import device_name
+
+    return device_name(device)  # picks v5's default table (H100 or H200)
+
+
 def _v5_runs(values: torch.Tensor, world_size: int, weights: Optional[torch.Tensor]) -> bool:
     """Whether dispatch v5 can run this call: compiled (not interpreted) on an sm_90 CUDA
     device (the one it was checked and tuned on; its staging sizes assume 227 KiB of
@@ -78,7 +84,8 @@ def _v5_runs(values: torch.Tensor, world_size: int, weights: Optional[torch.Tens
         return False
     from freescale.kernels.triton_dispatch_v5 import default_config_v5, v5_supported
 
-    return v5_supported(world_size, weights, default_config_v5(world_size))
+    cfg = default_config_v5(world_size, _cuda_name(values.device))
+    return v5_supported(world_size, weights, cfg)
 
 
 def triton_dispatch_kernel(

@@ -2,7 +2,8 @@
 its rank and scatter kernels replaced by Gluon kernels that keep their per-tile state
 in shared memory.
 
-Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5`, `check_config`,
+Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5` (per W and card),
+`device_name`, `check_config`,
 `v5_supported`, `check_layout`, `compile_v5`, the Gluon kernels (one count, two
 scatters) and a plain Triton transpose
 (`transpose_2d`). Same semantics and bits as `reference.ranged_dispatch` for inputs
@@ -44,7 +45,8 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   to a shared staging array at its slot and the output position to perm (input order,
   coalesced); (d) the staging array is written out in slot order, so consecutive lanes
   store consecutive addresses within each dest's run (tile / W ids long).
-* `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32):
+* `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32
+  on an H200, at every W on an H100: `default_config_v5`):
   (r1) each warp walks its sub-range in order and only ranks: match.any, its running
   counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
   any order, U per thread: dest again from the id, slot = the warp's start + rank,
@@ -62,6 +64,7 @@ compares the bits.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -791,17 +794,37 @@ class V5Config:
     slots: str = "dest"
 
 
-def default_config_v5(world_size: int) -> V5Config:
-    """The best of the configurations timed on one H200 at 2^26 ids
-    (`benchmarks/results/dispatch_v5_sweep_*.json`, session 27): below W = 32 the staged
-    scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with 2048-id
-    tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles and 16
-    warps (8 counting), 2 ids per thread and pass."""
+def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
+    """The best of the configurations timed at 2^26 ids on the card `device_name`
+    (``torch.cuda.get_device_name()``; `ranged_dispatch_v5` passes its tensors' card).
+
+    H200 and any other name (the table `kernels.json` measured;
+    `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
+    staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
+    2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
+    and 16 warps (8 counting), 2 ids per thread and pass.
+
+    H100 ("H100" in the name): the last of these at every W. On one H100 at 422e9b0
+    (`dispatch_v5_h100_422e9b0.json`) it took 0.915 / 0.949 / 0.979 / 1.036 / 1.140 ms
+    at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 / 1.175 / 1.297 / 1.592 for
+    the H200 table's choices (on the H200 the smaller tiles won from W = 32 to 256:
+    0.781 against 0.825 ms at W = 32, 0.913 against 0.926 at W = 128).
+    """
+    big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
+    if device_name is not None and "H100" in device_name:
+        return big
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
     if world_size <= 256:
         return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks")
-    return V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
+    return big
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of a CUDA device (cached: one driver query per
+    card and process)."""
+    return torch.cuda.get_device_name(device)
 
 
 SCATTERS = ("staged", "ranks")
@@ -969,7 +992,8 @@ def ranged_dispatch_v5(
     """Gluon `ranged_dispatch`, v5 (see the module docstring; CUDA only); same semantics
     and results as `reference.ranged_dispatch` for the inputs `v5_supported` accepts."""
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
-    cfg = config or default_config_v5(world_size)
+    card = device_name(values.device) if values.device.type == "cuda" else None
+    cfg = config or default_config_v5(world_size, card)
     check_config(cfg)
     t = cfg.tile
     if not v5_supported(world_size, weights, cfg):
