@@ -13,7 +13,9 @@ two costs for every Triton dispatch version, at W in 8..1024:
 - ``launches``: kernel launches per call (torch.profiler, one call).
 
 Plus the host cost of the parts a call is made of: an empty Triton kernel launch with
-10 arguments, ``torch.empty`` on the device, a small ``torch.cumsum``.
+10 arguments, ``torch.empty`` on the device, a small ``torch.cumsum``; on CUDA also the
+same kernel through its compiled launcher directly (`_direct_parts`: what a launch cache
+of our own could save).
 
 Usage (one H200, ~1 min): ``PYTHONPATH=src python benchmarks/dispatch_host.py --out DIR``
 CPU check that it runs: ``TRITON_INTERPRET=1 ... --smoke`` (tiny; times meaningless).
@@ -78,6 +80,33 @@ def _versions():
     }
 
 
+def _direct_parts(compiled, bufs, calls: int, device: torch.device) -> dict:
+    """What a launch costs without `JITFunction.run`'s argument binding, specialization
+    key and cache lookup: the same empty kernel through its compiled launcher
+    (``CompiledKernel.run``, Triton 3.6's calling convention: grid, stream, function,
+    packed metadata, launch metadata, the two launch hooks, then every argument), and
+    the current-stream query each launch makes. Measured to decide whether a launch
+    cache of our own would pay; on another Triton the error is recorded instead."""
+    from triton.runtime import driver
+
+    def stream():
+        return driver.active.get_current_stream(driver.active.get_current_device())
+
+    def direct():
+        compiled.run(4, 1, 1, stream(), compiled.function, compiled.packed_metadata,
+                     None, None, None, *bufs, 100, 200, 128)  # fmt: skip
+
+    try:
+        direct()
+        torch.cuda.synchronize(device)
+        return {
+            "triton_direct_run_10_args_us": enqueue_us(direct, calls, device),
+            "triton_current_stream_us": enqueue_us(stream, calls, device),
+        }
+    except Exception as err:  # noqa: BLE001 - recorded: the convention is Triton 3.6's
+        return {"triton_direct_run_error": f"{type(err).__name__}: {err}"[:300]}
+
+
 def _parts(device: torch.device, calls: int) -> dict[str, float]:
     """Host microseconds of the pieces a dispatch call is made of."""
     bufs = [torch.empty(16, dtype=torch.int64, device=device) for _ in range(8)]
@@ -86,8 +115,12 @@ def _parts(device: torch.device, calls: int) -> dict[str, float]:
     def launch():
         _empty_kernel[(4,)](*bufs, 100, 200, BLOCK=128)
 
-    launch()
+    compiled = _empty_kernel[(4,)](*bufs, 100, 200, BLOCK=128)
+    parts = {}
+    if device.type == "cuda":
+        parts.update(_direct_parts(compiled, bufs, calls, device))
     return {
+        **parts,
         "triton_launch_10_args_us": enqueue_us(launch, calls, device),
         "torch_empty_us": enqueue_us(
             lambda: torch.empty(1024, dtype=torch.int32, device=device), calls, device
