@@ -117,6 +117,17 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                            "slots": "pos"},
     "ranks_t4096_c8_s16_u2_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 2, "scatter": "ranks", "slots": "pos"},
+    # session 34: each id's dest stored in shared memory by a pass in any order, so the
+    # ordered ranking loop waits on no global load (`V5Config.dests`)
+    "ranks_t4096_c8_s16_u2_dst": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 2, "scatter": "ranks", "dests": "stored"},
+    "ranks_t4096_c8_s16_u2_dst_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                      "unroll": 2, "scatter": "ranks", "slots": "pos",
+                                      "dests": "stored"},
+    "ranks_t4096_c8_s16_u4_dst": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 4, "scatter": "ranks", "dests": "stored"},
+    "ranks_t2048_c4_s8_u4_dst": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "dests": "stored"},
 }  # fmt: skip
 
 
@@ -179,6 +190,13 @@ def check(v5, g: torch.Generator) -> int:
                                     scatter="ranks", slots="pos"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks", counts="columns", slots="pos"),
+                        # session 34: each id's dest stored in shared memory first
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    scatter="ranks", dests="stored"),
+                        v5.V5Config(tile=2048, count_warps=4, scatter_warps=8,
+                                    scatter="ranks", dests="stored"),
+                        v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
+                                    scatter="ranks", slots="pos", dests="stored"),
                     ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue

@@ -75,6 +75,10 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(counts="cols"))
     with pytest.raises(ValueError, match="slots must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(slots="both"))
+    with pytest.raises(ValueError, match="dests must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="kept"))
+    with pytest.raises(ValueError, match='dests="stored" is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="stored"))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -126,22 +130,25 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots",
+    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots,dests",
     [
-        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest"),
-        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos"),
-        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest"),
-        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos"),
-        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest"),
-        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos"),
-        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest"),
-        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest"),
-        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos"),
-        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos"),
+        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest", "recompute"),
+        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos", "recompute"),
+        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest", "recompute"),
+        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos", "recompute"),
+        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest", "recompute"),
+        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos", "recompute"),
+        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest", "recompute"),
+        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest", "recompute"),
+        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "recompute"),
+        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "recompute"),
+        (1, 256, 8, 1, True, "int32", "ranks", "rows", "dest", "stored"),
+        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "stored"),
+        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
-    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts, slots
+    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts, slots, dests
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -153,7 +160,7 @@ import json
 import torch
 from freescale.kernels import triton_dispatch_v5 as v5
 cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
-                  scatter="{scatter}", counts="{counts}", slots="{slots}")
+                  scatter="{scatter}", counts="{counts}", slots="{slots}", dests="{dests}")
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
@@ -175,7 +182,6 @@ print(json.dumps({{
     assert got["missing"] == []
 
 
-@needs_ptxas
 @needs_ptxas
 def test_table_kernels_compile_for_sm90(tmp_path) -> None:
     """v4's and v5's table launches (`triton_dispatch_v4.launch_tables`) compile for sm_90:
@@ -291,12 +297,23 @@ print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fie
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
-@pytest.mark.parametrize("scatter,slots", [("staged", "dest"), ("ranks", "dest"), ("ranks", "pos")])
+@pytest.mark.parametrize(
+    "scatter,slots,dests",
+    [
+        ("staged", "dest", "recompute"),
+        ("ranks", "dest", "recompute"),
+        ("ranks", "pos", "recompute"),
+        ("ranks", "dest", "stored"),
+        ("ranks", "pos", "stored"),
+    ],
+)
 @pytest.mark.parametrize("world", [1, 8, 1024])
-def test_v5_equals_reference_on_gpu(tmp_path, world: int, scatter: str, slots: str) -> None:
+def test_v5_equals_reference_on_gpu(
+    tmp_path, world: int, scatter: str, slots: str, dests: str
+) -> None:
     """Compiled on the GPU in a fresh process: this module (and others) import Triton in
     interpreter mode, where Gluon kernels cannot be compiled."""
-    cfg = {"tile": 512, "scatter": scatter, "slots": slots}
+    cfg = {"tile": 512, "scatter": scatter, "slots": slots, "dests": dests}
     got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg))
     assert all(got.values()), got
 

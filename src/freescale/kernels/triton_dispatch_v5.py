@@ -51,7 +51,12 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
   any order, U per thread: dest again from the id, slot = the warp's start + rank,
   staging, slot dest, perm; (d) as above. No count pass before the ordered loop, and
-  the ordered loop holds none of placement's random shared accesses.
+  the ordered loop holds none of placement's random shared accesses. With
+  ``V5Config(dests="stored")`` (opt-in, session 34) a pass (p0) over the tile in any
+  order first stores each id's dest in shared memory; r1 then reads dests there instead
+  of waiting on each id's global load (Nsight Compute, W = 1024 on an H100: 15% of the
+  kernel's stall samples sat on that wait), and r2 reads the dest instead of mapping the
+  id again.
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -645,6 +650,7 @@ def _v5_scatter_ranks_kernel(
     NW: gl.constexpr,
     U: gl.constexpr,
     POS: gl.constexpr,
+    DST: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -657,8 +663,14 @@ def _v5_scatter_ranks_kernel(
     uint16 per-warp counters, then slot starts (WROW: W rounded up to 4); DSLOT [TILE]
     uint16 (dest of each slot; with POS: int32 output position); RNK [TILE] uint16
     (rank of each input id among its
-    warp's ids of the same dest); WTOT [NW] int32. Reserved as `_v5_scatter_kernel`
-    does."""
+    warp's ids of the same dest); with DST (``dests="stored"``) DEST [TILE] uint16 (each
+    input id's dest, step p0); WTOT [NW] int32. Reserved as `_v5_scatter_kernel` does.
+
+    DST: (p0) every id of the tile in any order, U per thread, all loads in flight: its
+    dest to DEST; then r1 reads the dests from shared memory instead of loading and
+    mapping ids (its ordered loop waited on each id's global load: Nsight Compute put
+    15% of the kernel's stall samples on that wait at W = 1024 on an H100, session 34),
+    and r2 reads the dest instead of mapping the id again."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -668,7 +680,8 @@ def _v5_scatter_ranks_kernel(
     WC_WORDS: gl.constexpr = NW * WROW // 2
     DSLOT: gl.constexpr = WC + WC_WORDS * 4
     RNK: gl.constexpr = DSLOT + TILE * (4 if POS else 2)
-    WTOT: gl.constexpr = RNK + TILE * 2
+    DEST: gl.constexpr = RNK + TILE * 2
+    WTOT: gl.constexpr = DEST + (TILE * 2 if DST else 0)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
     if B1 > 0:
@@ -687,32 +700,58 @@ def _v5_scatter_ranks_kernel(
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
+    if DST:
+        # (p0) every id in any order: its dest to DEST (the barrier is _zero_words')
+        for j0 in range(0, n_t, CH * U):
+            loc = j0 + e2
+            m = loc < n_t
+            ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+            d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+            _sh_st16(DEST + gl.where(m, loc, 0) * 2, d, m.to(gl.int32))
     _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
     wloc = w * SUB + lane
     wend = gl.minimum(n_t, w * SUB + SUB)
-    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
-    ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend, other=0).to(gl.int64)
-    for c in range(0, SUB, 32):
-        loc = wloc + c
-        m = loc < wend
-        ids = ids_1
-        ids_1 = ids_2
-        ahead = loc + 64
-        ids_2 = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
-        mi = m.to(gl.int32)
-        d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
-        peers = _match_any(d)
-        earlier = _popc(peers & below)
-        last = (peers & above) == 0
-        dc = gl.where(m, d, 0)
-        a = WC + (w * WROW + dc) * 2
-        rank = _sh_ld16(a) + earlier
-        sync = _warp_sync(rank)
-        _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
-        sync = _warp_sync(rank)
-        _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    if DST:
+        for c in range(0, SUB, 32):
+            loc = wloc + c
+            m = loc < wend
+            mi = m.to(gl.int32)
+            dc = _sh_ld16(DEST + gl.where(m, loc, 0) * 2)
+            d = gl.where(m, dc, -1)
+            peers = _match_any(d)
+            earlier = _popc(peers & below)
+            last = (peers & above) == 0
+            a = WC + (w * WROW + gl.where(m, dc, 0)) * 2
+            rank = _sh_ld16(a) + earlier
+            sync = _warp_sync(rank)
+            _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
+            sync = _warp_sync(rank)
+            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    else:
+        ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
+        ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend,
+                        other=0).to(gl.int64)  # fmt: skip
+        for c in range(0, SUB, 32):
+            loc = wloc + c
+            m = loc < wend
+            ids = ids_1
+            ids_1 = ids_2
+            ahead = loc + 64
+            ids_2 = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
+            mi = m.to(gl.int32)
+            d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
+            peers = _match_any(d)
+            earlier = _popc(peers & below)
+            last = (peers & above) == 0
+            dc = gl.where(m, d, 0)
+            a = WC + (w * WROW + dc) * 2
+            rank = _sh_ld16(a) + earlier
+            sync = _warp_sync(rank)
+            _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
+            sync = _warp_sync(rank)
+            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
@@ -725,7 +764,10 @@ def _v5_scatter_ranks_kernel(
         m = loc < n_t
         locc = gl.where(m, loc, 0)
         ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
-        d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+        if DST:
+            d = _sh_ld16(DEST + locc * 2)
+        else:
+            d = _owner_inv(ids, blk, inv, WORLD, MODULO)
         slot = _sh_ld16(WC + ((locc // SUB) * WROW + d) * 2) + _sh_ld16(RNK + locc * 2)
         if MODULO:
             local = ids // WORLD
@@ -782,6 +824,11 @@ class V5Config:
         write-out looks up the dest's output shift, a random shared load per id) or
         "pos" (the int32 output position itself, 2 bytes more per id; calls of 2^31 ids
         or more use "dest").
+    dests: with ``scatter="ranks"``, "recompute" (the ordered loop and the placement
+        each load an id and map it to its dest) or "stored" (a pass over the tile in any
+        order, all loads in flight, stores each id's dest in shared memory, 2 bytes more
+        per id; the ordered loop then reads dests from shared memory and waits on no
+        global load). The staged scatter keeps its dests in shared memory already.
     """
 
     tile: int = 4096
@@ -792,6 +839,7 @@ class V5Config:
     scatter: str = "staged"
     counts: str = "rows"
     slots: str = "dest"
+    dests: str = "recompute"
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -830,6 +878,7 @@ def device_name(device: torch.device) -> str:
 SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
+DESTS = ("recompute", "stored")
 
 
 def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = None) -> int:
@@ -838,12 +887,26 @@ def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = Non
     where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``)."""
     pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
-    per_id = 14 if pos else 12
+    per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0)
     return cfg.tile * per_id + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
+
+
+def _stored_dests(cfg: V5Config) -> bool:
+    return cfg.scatter == "ranks" and cfg.dests == "stored"
 
 
 def _scatter_kernel(cfg: V5Config):
     return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
+
+
+def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs) -> dict:
+    """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
+    meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
+            "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
+            "B3": bufs[3]}  # fmt: skip
+    if cfg.scatter == "ranks":
+        meta["DST"] = _stored_dests(cfg)
+    return meta
 
 
 def check_config(cfg: V5Config) -> None:
@@ -862,6 +925,13 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"counts must be one of {COUNTS}, got {cfg.counts!r}")
     if cfg.slots not in SLOTS:
         raise ValueError(f"slots must be one of {SLOTS}, got {cfg.slots!r}")
+    if cfg.dests not in DESTS:
+        raise ValueError(f"dests must be one of {DESTS}, got {cfg.dests!r}")
+    if cfg.dests == "stored" and cfg.scatter != "ranks":
+        raise ValueError(
+            'dests="stored" is an option of scatter="ranks" (the staged scatter keeps its '
+            f"dests in shared memory already), got scatter={cfg.scatter!r}"
+        )
     if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
         raise ValueError(
             f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
@@ -970,9 +1040,7 @@ def compile_v5(
         _scatter_kernel(cfg),
         {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
          "out_values_ptr": vt, "perm_ptr": i64},
-        {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": sw, "U": cfg.unroll,
-         "POS": cfg.slots == "pos", "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
-         "B3": bufs[3]},
+        _scatter_meta(cfg, world_size, modulo, cfg.slots == "pos", bufs),
         sw,
     )  # fmt: skip
     check_layout(scatter, [4 * b for b in bufs if b])
@@ -1066,9 +1134,7 @@ def ranged_dispatch_v5(
         _scatter_kernel(cfg),
         (num_tiles,),
         (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
-        {"WORLD": world_size, "MODULO": modulo, "TILE": t, "NW": sw, "U": cfg.unroll,
-         "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2], "B3": bufs[3],
-         "num_warps": sw},
+        {**_scatter_meta(cfg, world_size, modulo, pos, bufs), "num_warps": sw},
         [4 * b for b in bufs if b],
     )  # fmt: skip
     return DispatchResult(
