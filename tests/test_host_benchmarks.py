@@ -111,3 +111,30 @@ def test_sticky_robustness_writes_its_figure(tmp_path):
         assert set(d["headline"][f"straggler_over_fbs_{w}ranks"]) == {
             n for n in names if n.startswith("sticky")
         }
+
+
+def test_ncu_sass_summary_counts_per_id_and_shares(tmp_path):
+    """`ncu_sass_summary.py` on a small export of the shape ``ncu --page source --csv``
+    writes: a kernel-name row, the header, one row per SASS line."""
+    import ncu_sass_summary
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    header += ["stall_long_sb", "stall_short_sb"]
+    rows = [
+        ["0x0", "  LDG.E.64 R2, desc[UR4][R2.64]", "10", "64", "0", "0"],
+        ["0x10", "@P0 IMAD.MOV.U32 R4, RZ, RZ, R2", "30", "128", "30", "0"],
+        ["0x20", "  LDS.U16 R5, [R4]", "60", "64", "0", "60"],
+    ]
+    path = tmp_path / "sass.csv"
+    text = '"Kernel Name","k",\n' + "\n".join(
+        ",".join(f'"{c}"' for c in r) for r in [header, *rows]
+    )
+    path.write_text(text + "\n")
+    s = ncu_sass_summary.summarise(str(path), ids=32 * 64, top=2)
+    assert s["warp_instructions_per_32_ids"] == pytest.approx(256 / 64)
+    assert s["by_opcode"]["IMAD"]["instr_share"] == pytest.approx(0.5)
+    assert s["by_opcode"]["LDS"]["sample_share"] == pytest.approx(0.6)
+    assert [h["line"] for h in s["hottest_lines"]] == [2, 1]
+    assert s["hottest_lines"][0]["reason"] == "stall_short_sb"
+    assert s["hottest_lines"][1]["reason"] == "stall_long_sb"
+    assert ncu_sass_summary.main([str(path), "--ids", str(32 * 64)]) == 0
