@@ -128,6 +128,8 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                   "unroll": 4, "scatter": "ranks", "dests": "stored"},
     "ranks_t2048_c4_s8_u4_dst": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
                                  "unroll": 4, "scatter": "ranks", "dests": "stored"},
+    "ranks_t4096_c8_s16_u8_dst": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 8, "scatter": "ranks", "dests": "stored"},
 }  # fmt: skip
 
 
