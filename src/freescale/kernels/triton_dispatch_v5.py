@@ -829,6 +829,9 @@ class V5Config:
         order, all loads in flight, stores each id's dest in shared memory, 2 bytes more
         per id; the ordered loop then reads dests from shared memory and waits on no
         global load). The staged scatter keeps its dests in shared memory already.
+        Measured on one H100 at 2^26 ids (`dispatch_v5_dst_h100_123d8b2.json`): W = 1024
+        0.354 of the floor with unroll 4 against 0.340 for the default; 3-8% slower at
+        W = 64 and 256 with 4096-id tiles, 4-7% faster with 2048-id tiles. Opt-in.
     """
 
     tile: int = 4096
