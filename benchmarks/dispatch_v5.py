@@ -130,6 +130,14 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                  "unroll": 4, "scatter": "ranks", "dests": "stored"},
     "ranks_t4096_c8_s16_u8_dst": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 8, "scatter": "ranks", "dests": "stored"},
+    # session 34 (not yet run): int32 staging, three scatter programs per SM at W = 1024
+    "ranks_t4096_c8_s16_u2_v32": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 2, "scatter": "ranks", "staging": "int32"},
+    "ranks_t4096_c8_s16_u2_v32_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                      "unroll": 2, "scatter": "ranks", "staging": "int32",
+                                      "slots": "pos"},
+    "ranks_t2048_c4_s8_u4_v32": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "staging": "int32"},
 }  # fmt: skip
 
 
@@ -199,6 +207,10 @@ def check(v5, g: torch.Generator) -> int:
                                     scatter="ranks", dests="stored"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks", slots="pos", dests="stored"),
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    scatter="ranks", staging="int32"),
+                        v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
+                                    scatter="ranks", staging="int32"),
                     ):  # fmt: skip
                         if not v5.v5_supported(w, None, cfg):
                             continue

@@ -79,6 +79,10 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="kept"))
     with pytest.raises(ValueError, match='dests="stored" is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="stored"))
+    with pytest.raises(ValueError, match="staging must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(staging="int16"))
+    with pytest.raises(ValueError, match='staging="int32" is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(staging="int32"))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -130,25 +134,28 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots,dests",
+    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots,dests,staging",
     [
-        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest", "recompute"),
-        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos", "recompute"),
-        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest", "recompute"),
-        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos", "recompute"),
-        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest", "recompute"),
-        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos", "recompute"),
-        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest", "recompute"),
-        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest", "recompute"),
-        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "recompute"),
-        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "recompute"),
-        (1, 256, 8, 1, True, "int32", "ranks", "rows", "dest", "stored"),
-        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "stored"),
-        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored"),
+        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest", "recompute", "int64"),
+        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos", "recompute", "int64"),
+        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest", "recompute", "int64"),
+        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos", "recompute", "int64"),
+        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest", "recompute", "int64"),
+        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos", "recompute", "int64"),
+        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int64"),
+        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest", "recompute", "int64"),
+        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "recompute", "int64"),
+        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "recompute", "int64"),
+        (1, 256, 8, 1, True, "int32", "ranks", "rows", "dest", "stored", "int64"),
+        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "stored", "int64"),
+        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64"),
+        (7, 256, 8, 2, True, "int32", "ranks", "rows", "dest", "recompute", "int32"),
+        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32"),
+        (1024, 4096, 16, 4, False, "int64", "ranks", "rows", "pos", "stored", "int32"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
-    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts, slots, dests
+    tmp_path, world, tile, warps, unroll, modulo, dtype, scatter, counts, slots, dests, staging
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -160,7 +167,8 @@ import json
 import torch
 from freescale.kernels import triton_dispatch_v5 as v5
 cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
-                  scatter="{scatter}", counts="{counts}", slots="{slots}", dests="{dests}")
+                  scatter="{scatter}", counts="{counts}", slots="{slots}", dests="{dests}",
+                  staging="{staging}")
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
@@ -180,6 +188,43 @@ print(json.dumps({{
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
+
+
+@needs_ptxas
+def test_int32_staging_fits_three_scatter_programs_per_sm(tmp_path) -> None:
+    """What ``staging="int32"`` is for: at W = 1024 with 4096-id tiles and 16 warps (the
+    H100's config there) three scatter programs fit an SM (228 KiB of shared memory, 1
+    KiB reserved per program; 64K registers), where the int64 staging fits two."""
+    got = _run_fresh(
+        tmp_path,
+        """
+import json, os, re, subprocess, tempfile
+import triton
+from freescale.kernels import triton_dispatch_v5 as v5
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+for staging in ("int64", "int32"):
+    cfg = v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks",
+                      staging=staging)
+    k = v5.compile_v5(1024, cfg)["scatter"]
+    regs = None
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+        regs = int(re.search(r"REG:(\\d+)", usage).group(1))
+    out[staging] = {"shared": k.metadata.shared, "regs": regs}
+print(json.dumps(out))
+""",
+    )
+    per_sm, per_program = 228 * 1024, 1024
+    for staging, programs in (("int64", 2), ("int32", 3)):
+        shared = got[staging]["shared"] + per_program
+        assert per_sm // shared == programs, (staging, got)
+    regs = got["int32"]["regs"]
+    if regs is not None:  # Triton's bundled cuobjdump: 3 programs of 512 threads
+        assert 3 * 512 * regs <= 65536, got
 
 
 @needs_ptxas
@@ -287,8 +332,8 @@ world, cfg = {world}, v5.V5Config(**{cfg})
 g = torch.Generator(device="cuda").manual_seed(world)
 lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
 n = int(lengths.sum())
-vals = torch.randint(0, 10_000, (n,), device="cuda", generator=g)
-blocks = torch.full((3,), -(-10_000 // world), device="cuda")
+vals = torch.randint(0, {rows}, (n,), device="cuda", generator=g)
+blocks = torch.full((3,), -(-{rows} // world), device="cuda")
 ref = reference.ranged_dispatch(vals, lengths, blocks, world)
 got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=cfg)
 fields = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
@@ -298,23 +343,28 @@ print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fie
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
 @pytest.mark.parametrize(
-    "scatter,slots,dests",
+    "scatter,slots,dests,staging,rows",
     [
-        ("staged", "dest", "recompute"),
-        ("ranks", "dest", "recompute"),
-        ("ranks", "pos", "recompute"),
-        ("ranks", "dest", "stored"),
-        ("ranks", "pos", "stored"),
+        ("staged", "dest", "recompute", "int64", 10_000),
+        ("ranks", "dest", "recompute", "int64", 10_000),
+        ("ranks", "pos", "recompute", "int64", 10_000),
+        ("ranks", "dest", "stored", "int64", 10_000),
+        ("ranks", "pos", "stored", "int64", 10_000),
+        ("ranks", "dest", "recompute", "int32", 10_000),
+        ("ranks", "pos", "stored", "int32", 10_000),
+        # local rows past 2^31: int32 staging stores those values directly
+        ("ranks", "dest", "recompute", "int32", 1 << 44),
+        ("ranks", "pos", "stored", "int32", 1 << 44),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])
 def test_v5_equals_reference_on_gpu(
-    tmp_path, world: int, scatter: str, slots: str, dests: str
+    tmp_path, world: int, scatter: str, slots: str, dests: str, staging: str, rows: int
 ) -> None:
     """Compiled on the GPU in a fresh process: this module (and others) import Triton in
     interpreter mode, where Gluon kernels cannot be compiled."""
-    cfg = {"tile": 512, "scatter": scatter, "slots": slots, "dests": dests}
-    got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg))
+    cfg = {"tile": 512, "scatter": scatter, "slots": slots, "dests": dests, "staging": staging}
+    got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg, rows=rows))
     assert all(got.values()), got
 
 

@@ -56,7 +56,9 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   order first stores each id's dest in shared memory; r1 then reads dests there instead
   of waiting on each id's global load (Nsight Compute, W = 1024 on an H100: 15% of the
   kernel's stall samples sat on that wait), and r2 reads the dest instead of mapping the
-  id again.
+  id again. ``V5Config(staging="int32")`` (opt-in, not yet run on a GPU) stages values as
+  int32 (a value that does not fit goes straight to its output position, its slot
+  marked -1), so that three scatter programs fit an SM at W = 1024.
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -338,16 +340,22 @@ def _zero_words(OFF: gl.constexpr, WORDS: gl.constexpr, e, CH: gl.constexpr):
 
 @gluon.jit
 def _write_staged(out_values_ptr, n_t, e2, VAL: gl.constexpr, DSLOT: gl.constexpr,
-                  SHIFT: gl.constexpr, STEP: gl.constexpr, POS: gl.constexpr):  # fmt: skip
+                  SHIFT: gl.constexpr, STEP: gl.constexpr, POS: gl.constexpr,
+                  V32: gl.constexpr):  # fmt: skip
     """Step (d) of both scatters: the staged values in slot order, STEP (= len(e2))
     consecutive slots per pass, to out[SHIFT[dest of the slot] + slot] (DSLOT holds
     uint16 dests) or, with POS, to out[DSLOT[slot]] (int32 output positions: one
-    sequential shared load per slot instead of a sequential and a random one)."""
+    sequential shared load per slot instead of a sequential and a random one). V32: the
+    staged values are int32; -1 marks a slot whose value placement stored itself."""
     for j0 in range(0, n_t, STEP):
         j = j0 + e2
         m = j < n_t
         jc = gl.where(m, j, 0)
-        v = _sh_ld64(VAL + jc * 8)
+        if V32:
+            v = _sh_ld32(VAL + jc * 4).to(gl.int64)
+            m = m & (v != -1)
+        else:
+            v = _sh_ld64(VAL + jc * 8)
         if POS:
             at = _sh_ld32(DSLOT + jc * 4).to(gl.int64)
         else:
@@ -624,7 +632,7 @@ def _v5_scatter_kernel(
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS)
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, False)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -651,6 +659,7 @@ def _v5_scatter_ranks_kernel(
     U: gl.constexpr,
     POS: gl.constexpr,
     DST: gl.constexpr,
+    V32: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -659,7 +668,8 @@ def _v5_scatter_ranks_kernel(
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d): the only
     loop in input order per warp does just what stability needs; the random shared
     accesses of placement run after it, U ids per thread at a time, in any order.
-    Shared layout (bytes): VAL [TILE] int64 staging; SHIFT [W] int64; WC [NW][WROW]
+    Shared layout (bytes): VAL [TILE] int64 staging (int32 with V32,
+    ``staging="int32"``); SHIFT [W] int64; WC [NW][WROW]
     uint16 per-warp counters, then slot starts (WROW: W rounded up to 4); DSLOT [TILE]
     uint16 (dest of each slot; with POS: int32 output position); RNK [TILE] uint16
     (rank of each input id among its
@@ -674,7 +684,7 @@ def _v5_scatter_ranks_kernel(
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
-    SHIFT: gl.constexpr = VAL + TILE * 8
+    SHIFT: gl.constexpr = VAL + TILE * (4 if V32 else 8)
     WROW: gl.constexpr = (WORLD + 3) // 4 * 4  # WC row stride: whole u64 quads
     WC: gl.constexpr = SHIFT + WORLD * 8
     WC_WORDS: gl.constexpr = NW * WROW // 2
@@ -774,8 +784,16 @@ def _v5_scatter_ranks_kernel(
         else:
             local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, ids // WORLD)
         mi = m.to(gl.int32)
-        _sh_st64(VAL + slot * 8, local, mi)
         shift = _sh_ld64(SHIFT + d * 8)
+        if V32:
+            # int32 staging; a value outside [0, 2^31 - 1) goes straight to its output
+            # position (exact for any id) and its slot holds -1, which the write-out skips
+            fits = (local >= 0) & (local < 0x7FFFFFFF)
+            _sh_st32(VAL + slot * 4, gl.where(fits, local, -1).to(gl.int32), mi)
+            gl.store(out_values_ptr + shift + slot.to(gl.int64),
+                     local.to(out_values_ptr.dtype.element_ty), mask=m & ~fits)  # fmt: skip
+        else:
+            _sh_st64(VAL + slot * 8, local, mi)
         if POS:
             _sh_st32(DSLOT + slot * 4, (shift + slot.to(gl.int64)).to(gl.int32), mi)
         else:
@@ -783,7 +801,7 @@ def _v5_scatter_ranks_kernel(
         gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS)
+    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -832,6 +850,13 @@ class V5Config:
         Measured on one H100 at 2^26 ids (`dispatch_v5_dst_h100_123d8b2.json`): W = 1024
         0.354 of the floor with unroll 4 against 0.340 for the default; 3-8% slower at
         W = 64 and 256 with 4096-id tiles, 4-7% faster with 2048-id tiles. Opt-in.
+    staging: with ``scatter="ranks"``, the width of a staged value: "int64" or "int32"
+        (4 bytes less per id: at W = 1024 with 4096-id tiles and 16 warps a program then
+        needs ~74 KB instead of ~90 KB of shared memory, so three fit an SM instead of
+        two; the scatter is latency-bound at 50% occupancy, session 34's profile). A
+        value outside [0, 2^31 - 1) is stored straight to its output position instead and
+        its slot marked -1, so every id stays exact. Compiled and layout-checked for
+        sm_90; not yet run on a GPU (session 34 had no device time left). Opt-in.
     """
 
     tile: int = 4096
@@ -843,6 +868,7 @@ class V5Config:
     counts: str = "rows"
     slots: str = "dest"
     dests: str = "recompute"
+    staging: str = "int64"
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -882,6 +908,7 @@ SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
+STAGINGS = ("int64", "int32")
 
 
 def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = None) -> int:
@@ -890,12 +917,16 @@ def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = Non
     where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``)."""
     pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
-    per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0)
+    per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0) - (4 if _v32(cfg) else 0)
     return cfg.tile * per_id + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
 
 
 def _stored_dests(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.dests == "stored"
+
+
+def _v32(cfg: V5Config) -> bool:
+    return cfg.scatter == "ranks" and cfg.staging == "int32"
 
 
 def _scatter_kernel(cfg: V5Config):
@@ -909,6 +940,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
             "B3": bufs[3]}  # fmt: skip
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
+        meta["V32"] = _v32(cfg)
     return meta
 
 
@@ -930,6 +962,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"slots must be one of {SLOTS}, got {cfg.slots!r}")
     if cfg.dests not in DESTS:
         raise ValueError(f"dests must be one of {DESTS}, got {cfg.dests!r}")
+    if cfg.staging not in STAGINGS:
+        raise ValueError(f"staging must be one of {STAGINGS}, got {cfg.staging!r}")
+    if cfg.staging == "int32" and cfg.scatter != "ranks":
+        raise ValueError(f'staging="int32" is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.dests == "stored" and cfg.scatter != "ranks":
         raise ValueError(
             'dests="stored" is an option of scatter="ranks" (the staged scatter keeps its '
