@@ -331,6 +331,24 @@ def _lane_masks(lane):
 
 
 @gluon.jit
+def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr):
+    """One step of a warp's ordered loop over 32 ids (d: each lane's dest, -1 where not
+    m): the lane's rank among the warp's ids of its dest so far (the warp's counter
+    WC[w][d] plus its earlier same-dest lanes, by match.any), and the counter advanced by
+    the dest's last lane. Returns (rank, sync): sync is a dummy 0 that, added to the next
+    shared address, keeps the next access after the warp's counter update."""
+    peers = _match_any(d)
+    earlier = _popc(peers & below)
+    last = (peers & above) == 0
+    a = WC + (w * WROW + gl.where(m, d, 0)) * 2
+    rank = _sh_ld16(a) + earlier
+    sync = _warp_sync(rank)
+    _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
+    sync = _warp_sync(rank)
+    return rank, sync
+
+
+@gluon.jit
 def _zero_words(OFF: gl.constexpr, WORDS: gl.constexpr, e, CH: gl.constexpr):
     """Zero WORDS int32 of shared memory from byte offset OFF, then a barrier."""
     for b in range(0, WORDS, CH):
@@ -609,15 +627,8 @@ def _v5_scatter_kernel(
         mi = m.to(gl.int32)
         locc = gl.where(m, loc, 0)
         d = gl.where(m, _sh_ld16(DIN + locc * 2), -1)
-        peers = _match_any(d)
-        earlier = _popc(peers & below)
-        last = (peers & above) == 0
         dc = gl.where(m, d, 0)
-        a = WC + (w * WROW + dc) * 2
-        slot = _sh_ld16(a) + earlier
-        sync = _warp_sync(slot)
-        _sh_st16(a + sync, slot + 1, (m & last).to(gl.int32))
-        sync = _warp_sync(slot)
+        slot, sync = _warp_rank(d, m, w, below, above, WC, WROW)
         slotc = gl.where(m, slot, 0) + sync
         if MODULO:
             local = ids // WORLD
@@ -728,16 +739,8 @@ def _v5_scatter_ranks_kernel(
             loc = wloc + c
             m = loc < wend
             mi = m.to(gl.int32)
-            dc = _sh_ld16(DEST + gl.where(m, loc, 0) * 2)
-            d = gl.where(m, dc, -1)
-            peers = _match_any(d)
-            earlier = _popc(peers & below)
-            last = (peers & above) == 0
-            a = WC + (w * WROW + gl.where(m, dc, 0)) * 2
-            rank = _sh_ld16(a) + earlier
-            sync = _warp_sync(rank)
-            _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
-            sync = _warp_sync(rank)
+            d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     else:
         ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
@@ -752,15 +755,7 @@ def _v5_scatter_ranks_kernel(
             ids_2 = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
             mi = m.to(gl.int32)
             d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
-            peers = _match_any(d)
-            earlier = _popc(peers & below)
-            last = (peers & above) == 0
-            dc = gl.where(m, d, 0)
-            a = WC + (w * WROW + dc) * 2
-            rank = _sh_ld16(a) + earlier
-            sync = _warp_sync(rank)
-            _sh_st16(a + sync, rank + 1, (m & last).to(gl.int32))
-            sync = _warp_sync(rank)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
