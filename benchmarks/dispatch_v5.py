@@ -130,13 +130,21 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                  "unroll": 4, "scatter": "ranks", "dests": "stored"},
     "ranks_t4096_c8_s16_u8_dst": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 8, "scatter": "ranks", "dests": "stored"},
-    # session 34 (not yet run): int32 staging, three scatter programs per SM at W = 1024
+    # session 34: int32 staging, three scatter programs per SM at W = 1024
     "ranks_t4096_c8_s16_u2_v32": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 2, "scatter": "ranks", "staging": "int32"},
     "ranks_t4096_c8_s16_u2_v32_pos": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
                                       "unroll": 2, "scatter": "ranks", "staging": "int32",
                                       "slots": "pos"},
     "ranks_t2048_c4_s8_u4_v32": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                 "unroll": 4, "scatter": "ranks", "staging": "int32"},
+    # session 35: int32 staging makes 8192-id tiles fit twice per SM at W = 1024 (half the
+    # per-tile W-sized work and tables per id of 4096-id tiles)
+    "ranks_t8192_c8_s16_u2_v32": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 2, "scatter": "ranks", "staging": "int32"},
+    "ranks_t8192_c8_s16_u4_v32": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
+                                  "unroll": 4, "scatter": "ranks", "staging": "int32"},
+    "ranks_t4096_c8_s8_u4_v32": {"tile": 4096, "count_warps": 8, "scatter_warps": 8,
                                  "unroll": 4, "scatter": "ranks", "staging": "int32"},
 }  # fmt: skip
 
