@@ -144,6 +144,8 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                   "unroll": 2, "scatter": "ranks", "staging": "int32"},
     "ranks_t8192_c8_s16_u4_v32": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
                                   "unroll": 4, "scatter": "ranks", "staging": "int32"},
+    "ranks_t16384_c8_s16_u2_v32": {"tile": 16384, "count_warps": 8, "scatter_warps": 16,
+                                   "unroll": 2, "scatter": "ranks", "staging": "int32"},
     "ranks_t4096_c8_s8_u4_v32": {"tile": 4096, "count_warps": 8, "scatter_warps": 8,
                                  "unroll": 4, "scatter": "ranks", "staging": "int32"},
 }  # fmt: skip

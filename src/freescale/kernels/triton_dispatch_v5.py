@@ -876,14 +876,21 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
     and 16 warps (8 counting), 2 ids per thread and pass.
 
-    H100 ("H100" in the name): the last of these at every W. On one H100 at 422e9b0
-    (`dispatch_v5_h100_422e9b0.json`) it took 0.915 / 0.949 / 0.979 / 1.036 / 1.140 ms
-    at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 / 1.175 / 1.297 / 1.592 for
-    the H200 table's choices (on the H200 the smaller tiles won from W = 32 to 256:
-    0.781 against 0.825 ms at W = 32, 0.913 against 0.926 at W = 128).
+    H100 ("H100" in the name): the last of these at every W but 512 <= W <= 1024, where
+    8192-id tiles with int32 staging (two scatter programs per SM). On one H100 at
+    422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
+    0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
+    1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
+    won from W = 32 to 256: 0.781 against 0.825 ms at W = 32, 0.913 against 0.926 at
+    W = 128). At 47cd70b (`dispatch_v5_probe_h100_47cd70b.json`) the 8192-id tiles took
+    1.559 against 1.836 ms at W = 1024 (half the tables and half the per-tile work of
+    the scatter per id) and lost at W = 256 (1.189 against 1.115) and W = 64.
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
     if device_name is not None and "H100" in device_name:
+        if 512 <= world_size <= 1024:
+            return V5Config(tile=8192, count_warps=8, scatter_warps=16, unroll=2,
+                            scatter="ranks", staging="int32")  # fmt: skip
         return big
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
