@@ -874,10 +874,11 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
     staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
-    and 16 warps (8 counting), 2 ids per thread and pass.
+    and 16 warps (8 counting), 2 ids per thread and pass, but from W = 512 to 1024 with
+    8192-id tiles and int32 staging (session 35: measured on an H100 only, see below).
 
-    H100 ("H100" in the name): the last of these at every W but 512 <= W <= 1024, where
-    8192-id tiles with int32 staging (two scatter programs per SM). On one H100 at
+    H100 ("H100" in the name): the 4096-id config at every W but 512 <= W <= 1024, where
+    the 8192-id tiles with int32 staging (two scatter programs per SM). On one H100 at
     422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
@@ -887,10 +888,10 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     the scatter per id) and lost at W = 256 (1.189 against 1.115) and W = 64.
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
+    if 512 <= world_size <= 1024:
+        return V5Config(tile=8192, count_warps=8, scatter_warps=16, unroll=2,
+                        scatter="ranks", staging="int32")  # fmt: skip
     if device_name is not None and "H100" in device_name:
-        if 512 <= world_size <= 1024:
-            return V5Config(tile=8192, count_warps=8, scatter_warps=16, unroll=2,
-                            scatter="ranks", staging="int32")  # fmt: skip
         return big
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
