@@ -875,22 +875,27 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
     and 16 warps (8 counting), 2 ids per thread and pass, but from W = 512 to 1024 with
-    8192-id tiles and int32 staging (session 35: measured on an H100 only, see below).
+    8192-id tiles and int32 staging, and from 1025 to 2048 with 16384-id tiles and int32
+    staging (session 35: measured on an H100 only, see below).
 
-    H100 ("H100" in the name): the 4096-id config at every W but 512 <= W <= 1024, where
-    the 8192-id tiles with int32 staging (two scatter programs per SM). On one H100 at
+    H100 ("H100" in the name): the 4096-id config at every W but 512 <= W <= 2048, where
+    the larger tiles with int32 staging as above. On one H100 at
     422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
     won from W = 32 to 256: 0.781 against 0.825 ms at W = 32, 0.913 against 0.926 at
     W = 128). At 47cd70b (`dispatch_v5_probe_h100_47cd70b.json`) the 8192-id tiles took
     1.559 against 1.836 ms at W = 1024 (half the tables and half the per-tile work of
-    the scatter per id) and lost at W = 256 (1.189 against 1.115) and W = 64.
+    the scatter per id) and lost at W = 256 (1.189 against 1.115) and W = 64. At 15a9a81
+    (`dispatch_v5_tiles_h100_15a9a81.json`): W = 512 1.289 against 1.409 ms; W = 2048
+    2.050 ms with 16384-id tiles against 2.424 (8192) and 2.898 (4096); at W = 1024 the
+    16384-id tiles lost (1.704 against 1.554). Above W = 2048 they do not fit.
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-    if 512 <= world_size <= 1024:
-        return V5Config(tile=8192, count_warps=8, scatter_warps=16, unroll=2,
-                        scatter="ranks", staging="int32")  # fmt: skip
+    if 512 <= world_size <= 2048:  # 8192-id tiles up to W = 1024, 16384 above
+        return V5Config(tile=8192 if world_size <= 1024 else 16384, count_warps=8,
+                        scatter_warps=16, unroll=2, scatter="ranks",
+                        staging="int32")  # fmt: skip
     if device_name is not None and "H100" in device_name:
         return big
     if world_size < 32:
