@@ -108,11 +108,11 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     assert v5.default_config_v5(257).scatter_warps == 16
     assert v5.default_config_v5(512).tile == 8192 and v5.default_config_v5(1024).tile == 8192
     assert v5.default_config_v5(1025).tile == 16384 and v5.default_config_v5(2048).tile == 16384
-    assert v5.default_config_v5(2049).tile == 4096
+    assert v5.default_config_v5(2049).tile == 8192 and v5.default_config_v5(4096).tile == 8192
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 4096-id tiles but
-        for world in range(1, v5.V5_MAX_WORLD + 1):  # at W = 512 .. 2048 (int32 staging)
+        for world in range(1, v5.V5_MAX_WORLD + 1):  # from W = 512 (int32 staging)
             cfg = v5.default_config_v5(world, name)
-            tile = 8192 if 512 <= world <= 1024 else 16384 if 1024 < world <= 2048 else 4096
+            tile = 4096 if world < 512 else 16384 if 1024 < world <= 2048 else 8192
             assert (cfg.tile, cfg.staging) == (tile, "int64" if tile == 4096 else "int32")
             assert cfg.scatter == "ranks" and cfg.scatter_warps == 16, (name, world)
             assert v5.v5_supported(world, None, cfg), (name, world)
@@ -159,6 +159,7 @@ def _run_fresh(tmp_path, code: str) -> dict:
         (1024, 4096, 16, 4, False, "int64", "ranks", "rows", "pos", "stored", "int32"),
         (1000, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32"),
         (2048, 16384, 16, 2, False, "int32", "ranks", "rows", "dest", "recompute", "int32"),
+        (4096, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(

@@ -874,12 +874,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
     staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
-    and 16 warps (8 counting), 2 ids per thread and pass, but from W = 512 to 1024 with
-    8192-id tiles and int32 staging, and from 1025 to 2048 with 16384-id tiles and int32
-    staging (session 35: measured on an H100 only, see below).
+    and 16 warps (8 counting), 2 ids per thread and pass; from W = 512 the same warps
+    with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
+    (session 35: measured on an H100 only, see below).
 
-    H100 ("H100" in the name): the 4096-id config at every W but 512 <= W <= 2048, where
-    the larger tiles with int32 staging as above. On one H100 at
+    H100 ("H100" in the name): the 4096-id config below W = 512, the larger tiles with
+    int32 staging as above from W = 512. On one H100 at
     422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
@@ -889,13 +889,16 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     the scatter per id) and lost at W = 256 (1.189 against 1.115) and W = 64. At 15a9a81
     (`dispatch_v5_tiles_h100_15a9a81.json`): W = 512 1.289 against 1.409 ms; W = 2048
     2.050 ms with 16384-id tiles against 2.424 (8192) and 2.898 (4096); at W = 1024 the
-    16384-id tiles lost (1.704 against 1.554). Above W = 2048 they do not fit.
+    16384-id tiles lost (1.704 against 1.554). At d1eca03
+    (`dispatch_v5_bigw_h100_d1eca03.json`): W = 1536 1.927 ms (16384) against 2.247
+    (8192) and 2.194 (4096); W = 3072 and 4096, where 16384-id tiles do not fit, 3.051
+    and 3.392 ms (8192) against 3.680 and 4.099 (4096).
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-    if 512 <= world_size <= 2048:  # 8192-id tiles up to W = 1024, 16384 above
-        return V5Config(tile=8192 if world_size <= 1024 else 16384, count_warps=8,
-                        scatter_warps=16, unroll=2, scatter="ranks",
-                        staging="int32")  # fmt: skip
+    if world_size >= 512:  # 16384-id tiles at W = 1025 .. 2048, 8192 elsewhere
+        tile = 16384 if 1024 < world_size <= 2048 else 8192
+        return V5Config(tile=tile, count_warps=8, scatter_warps=16, unroll=2,
+                        scatter="ranks", staging="int32")  # fmt: skip
     if device_name is not None and "H100" in device_name:
         return big
     if world_size < 32:
