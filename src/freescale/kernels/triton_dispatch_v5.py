@@ -46,7 +46,8 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   coalesced); (d) the staging array is written out in slot order, so consecutive lanes
   store consecutive addresses within each dest's run (tile / W ids long).
 * `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32
-  on an H200, at every W on an H100: `default_config_v5`):
+  on an H200, at every W on an H100; from W = 512 with int32 staging and 8192- or
+  16384-id tiles: `default_config_v5`):
   (r1) each warp walks its sub-range in order and only ranks: match.any, its running
   counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
   any order, U per thread: dest again from the id, slot = the warp's start + rank,
@@ -56,9 +57,11 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   order first stores each id's dest in shared memory; r1 then reads dests there instead
   of waiting on each id's global load (Nsight Compute, W = 1024 on an H100: 15% of the
   kernel's stall samples sat on that wait), and r2 reads the dest instead of mapping the
-  id again. ``V5Config(staging="int32")`` (opt-in, not yet run on a GPU) stages values as
-  int32 (a value that does not fit goes straight to its output position, its slot
-  marked -1), so that three scatter programs fit an SM at W = 1024.
+  id again. ``V5Config(staging="int32")`` (the default from W = 512, session 35) stages
+  values as int32 (a value that does not fit goes straight to its output position, its
+  slot marked -1): 4 bytes of shared memory less per id, so that 8192-id tiles fit twice
+  per SM at W = 1024 (half the per-tile work and tables per id: 0.402 of the floor on an
+  H100 against 0.341 with 4096-id tiles, `kernels_h100_15a9a81.json`).
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -846,12 +849,13 @@ class V5Config:
         0.354 of the floor with unroll 4 against 0.340 for the default; 3-8% slower at
         W = 64 and 256 with 4096-id tiles, 4-7% faster with 2048-id tiles. Opt-in.
     staging: with ``scatter="ranks"``, the width of a staged value: "int64" or "int32"
-        (4 bytes less per id: at W = 1024 with 4096-id tiles and 16 warps a program then
-        needs ~74 KB instead of ~90 KB of shared memory, so three fit an SM instead of
-        two; the scatter is latency-bound at 50% occupancy, session 34's profile). A
-        value outside [0, 2^31 - 1) is stored straight to its output position instead and
-        its slot marked -1, so every id stays exact. Compiled and layout-checked for
-        sm_90; not yet run on a GPU (session 34 had no device time left). Opt-in.
+        (4 bytes less per id). A value outside [0, 2^31 - 1) is stored straight to its
+        output position instead and its slot marked -1, so every id stays exact (GPU
+        test with ids past 2^31 rows per shard: passed on an H100 at 47cd70b). At
+        W = 1024 with 4096-id tiles it lifts occupancy from 50% to 73% (three programs
+        per SM) but not the time (1.867 against 1.836 ms on an H100,
+        `dispatch_v5_probe_h100_47cd70b.json`); what it buys is larger tiles at the same
+        occupancy: 8192 ids at W = 1024 (1.559 ms), 16384 at W = 2048 (`default_config_v5`).
     """
 
     tile: int = 4096
