@@ -674,6 +674,7 @@ def _v5_scatter_ranks_kernel(
     POS: gl.constexpr,
     DST: gl.constexpr,
     V32: gl.constexpr,
+    AHEAD: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -746,16 +747,32 @@ def _v5_scatter_ranks_kernel(
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     else:
+        # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
+        # issued before chunk c is ranked); AHEAD = 2 or 4
         ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
         ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend,
                         other=0).to(gl.int64)  # fmt: skip
+        ids_3 = ids_2
+        ids_4 = ids_2
+        if AHEAD == 4:
+            ids_3 = gl.load(values_ptr + start + wloc + 64, mask=wloc + 64 < wend,
+                            other=0).to(gl.int64)  # fmt: skip
+            ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend,
+                            other=0).to(gl.int64)  # fmt: skip
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
             ids = ids_1
-            ids_1 = ids_2
-            ahead = loc + 64
-            ids_2 = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
+            ahead = loc + 32 * AHEAD
+            nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
+            if AHEAD == 4:
+                ids_1 = ids_2
+                ids_2 = ids_3
+                ids_3 = ids_4
+                ids_4 = nxt
+            else:
+                ids_1 = ids_2
+                ids_2 = nxt
             mi = m.to(gl.int32)
             d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
@@ -856,6 +873,10 @@ class V5Config:
         per SM) but not the time (1.867 against 1.836 ms on an H100,
         `dispatch_v5_probe_h100_47cd70b.json`); what it buys is larger tiles at the same
         occupancy: 8192 ids at W = 1024 (1.559 ms), 16384 at W = 2048 (`default_config_v5`).
+    ahead: with ``scatter="ranks"`` and ``dests="recompute"``, how many chunks of 32
+        ids the ordered loop (r1) keeps loading ahead of the chunk it ranks: 2 or 4
+        (session 35's profile: 14% of the W = 1024 scatter's stall samples waited on
+        those loads). Opt-in.
     """
 
     tile: int = 4096
@@ -868,6 +889,7 @@ class V5Config:
     slots: str = "dest"
     dests: str = "recompute"
     staging: str = "int64"
+    ahead: int = 2
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -956,6 +978,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
+        meta["AHEAD"] = cfg.ahead
     return meta
 
 
@@ -977,6 +1000,8 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"slots must be one of {SLOTS}, got {cfg.slots!r}")
     if cfg.dests not in DESTS:
         raise ValueError(f"dests must be one of {DESTS}, got {cfg.dests!r}")
+    if cfg.ahead not in (2, 4):
+        raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
     if cfg.staging not in STAGINGS:
         raise ValueError(f"staging must be one of {STAGINGS}, got {cfg.staging!r}")
     if cfg.staging == "int32" and cfg.scatter != "ranks":
