@@ -46,7 +46,7 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   coalesced); (d) the staging array is written out in slot order, so consecutive lanes
   store consecutive addresses within each dest's run (tile / W ids long).
 * `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32
-  on an H200, at every W on an H100; from W = 512 with int32 staging and 8192- or
+  on an H200, at every W on an H100, there from W = 512 with int32 staging and 8192- or
   16384-id tiles: `default_config_v5`):
   (r1) each warp walks its sub-range in order and only ranks: match.any, its running
   counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
@@ -57,7 +57,7 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   order first stores each id's dest in shared memory; r1 then reads dests there instead
   of waiting on each id's global load (Nsight Compute, W = 1024 on an H100: 15% of the
   kernel's stall samples sat on that wait), and r2 reads the dest instead of mapping the
-  id again. ``V5Config(staging="int32")`` (the default from W = 512, session 35) stages
+  id again. ``V5Config(staging="int32")`` (an H100's default from W = 512, session 35) stages
   values as int32 (a value that does not fit goes straight to its output position, its
   slot marked -1): 4 bytes of shared memory less per id, so that 8192-id tiles fit twice
   per SM at W = 1024 (half the per-tile work and tables per id: 0.402 of the floor on an
@@ -900,12 +900,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
     staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
-    and 16 warps (8 counting), 2 ids per thread and pass; from W = 512 the same warps
-    with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
-    (session 35: measured on an H100 only, see below).
+    and 16 warps (8 counting), 2 ids per thread and pass.
 
-    H100 ("H100" in the name): the 4096-id config below W = 512, the larger tiles with
-    int32 staging as above from W = 512. On one H100 at
+    H100 ("H100" in the name): that 4096-id config below W = 512; from W = 512 the same
+    warps with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
+    (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there). On
+    one H100 at
     422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
@@ -921,12 +921,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     and 3.392 ms (8192) against 3.680 and 4.099 (4096).
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-    if world_size >= 512:  # 16384-id tiles at W = 1025 .. 2048, 8192 elsewhere
+    if device_name is not None and "H100" in device_name:
+        if world_size < 512:
+            return big
         tile = 16384 if 1024 < world_size <= 2048 else 8192
         return V5Config(tile=tile, count_warps=8, scatter_warps=16, unroll=2,
                         scatter="ranks", staging="int32")  # fmt: skip
-    if device_name is not None and "H100" in device_name:
-        return big
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
     if world_size <= 256:
