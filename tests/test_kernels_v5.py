@@ -85,6 +85,8 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(staging="int32"))
     with pytest.raises(ValueError, match="ahead must be 2 or 4"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(ahead=3))
+    with pytest.raises(ValueError, match="prefetch must be True or False"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(prefetch=1))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -139,29 +141,57 @@ def _run_fresh(tmp_path, code: str) -> dict:
 
 @needs_ptxas
 @pytest.mark.parametrize(
-    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots,dests,staging,ahead",
+    "world,tile,warps,unroll,modulo,dtype,scatter,counts,slots,dests,staging,knobs",
     [
-        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest", "recompute", "int64", 2),
-        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos", "recompute", "int64", 2),
-        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest", "recompute", "int64", 2),
-        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos", "recompute", "int64", 2),
-        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest", "recompute", "int64", 2),
-        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos", "recompute", "int64", 2),
-        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int64", 2),
-        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest", "recompute", "int64", 2),
-        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "recompute", "int64", 2),
-        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "recompute", "int64", 2),
-        (1, 256, 8, 1, True, "int32", "ranks", "rows", "dest", "stored", "int64", 2),
-        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "stored", "int64", 2),
-        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64", 2),
-        (7, 256, 8, 2, True, "int32", "ranks", "rows", "dest", "recompute", "int32", 2),
-        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32", 2),
-        (1024, 4096, 16, 4, False, "int64", "ranks", "rows", "pos", "stored", "int32", 2),
-        (1000, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32", 2),
-        (2048, 16384, 16, 2, False, "int32", "ranks", "rows", "dest", "recompute", "int32", 2),
-        (4096, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32", 2),
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32", 4),
-        (7, 256, 4, 1, True, "int32", "ranks", "rows", "pos", "recompute", "int64", 4),
+        (1, 256, 1, 1, False, "int32", "staged", "rows", "dest", "recompute", "int64", ""),
+        (7, 256, 2, 2, True, "int64", "staged", "columns", "pos", "recompute", "int64", ""),
+        (1000, 1024, 8, 8, False, "int32", "staged", "rows", "dest", "recompute", "int64", ""),
+        (1024, 4096, 8, 4, False, "int64", "staged", "rows", "pos", "recompute", "int64", ""),
+        (4096, 2048, 4, 4, True, "int64", "staged", "columns", "dest", "recompute", "int64", ""),
+        (1, 256, 1, 1, False, "int32", "ranks", "rows", "pos", "recompute", "int64", ""),
+        (7, 256, 8, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int64", ""),
+        (1024, 4096, 8, 4, False, "int64", "ranks", "columns", "dest", "recompute", "int64", ""),
+        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "recompute", "int64", ""),
+        (1023, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "recompute", "int64", ""),
+        (1, 256, 8, 1, True, "int32", "ranks", "rows", "dest", "stored", "int64", ""),
+        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "pos", "stored", "int64", ""),
+        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64", ""),
+        (7, 256, 8, 2, True, "int32", "ranks", "rows", "dest", "recompute", "int32", ""),
+        (1024, 4096, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32", ""),
+        (1024, 4096, 16, 4, False, "int64", "ranks", "rows", "pos", "stored", "int32", ""),
+        (1000, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32", ""),
+        (2048, 16384, 16, 2, False, "int32", "ranks", "rows", "dest", "recompute", "int32", ""),
+        (4096, 8192, 16, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int32", ""),
+        (
+            1024,
+            8192,
+            16,
+            2,
+            False,
+            "int64",
+            "ranks",
+            "rows",
+            "dest",
+            "recompute",
+            "int32",
+            "ahead=4",
+        ),
+        (7, 256, 4, 1, True, "int32", "ranks", "rows", "pos", "recompute", "int64", "ahead=4"),
+        (
+            1024,
+            8192,
+            16,
+            2,
+            False,
+            "int64",
+            "ranks",
+            "rows",
+            "dest",
+            "recompute",
+            "int32",
+            "prefetch=True",
+        ),
+        (7, 256, 4, 2, True, "int64", "ranks", "rows", "pos", "stored", "int64", "prefetch=True"),
     ],
 )
 def test_kernels_compile_with_the_reserved_layout(
@@ -177,7 +207,7 @@ def test_kernels_compile_with_the_reserved_layout(
     slots,
     dests,
     staging,
-    ahead,
+    knobs,
 ):
     """Both kernels compile for sm_90 with their shared-memory layout checked
     (`compile_v5` raises otherwise), within the per-program limit, and use the PTX
@@ -190,7 +220,7 @@ import torch
 from freescale.kernels import triton_dispatch_v5 as v5
 cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unroll={unroll},
                   scatter="{scatter}", counts="{counts}", slots="{slots}", dests="{dests}",
-                  staging="{staging}", ahead={ahead})
+                  staging="{staging}", **dict({knobs}))
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
@@ -365,20 +395,22 @@ print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fie
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
 @pytest.mark.parametrize(
-    "scatter,slots,dests,staging,rows,ahead",
+    "scatter,slots,dests,staging,rows,knobs",
     [
-        ("staged", "dest", "recompute", "int64", 10_000, 2),
-        ("ranks", "dest", "recompute", "int64", 10_000, 2),
-        ("ranks", "pos", "recompute", "int64", 10_000, 2),
-        ("ranks", "dest", "stored", "int64", 10_000, 2),
-        ("ranks", "pos", "stored", "int64", 10_000, 2),
-        ("ranks", "dest", "recompute", "int32", 10_000, 2),
-        ("ranks", "pos", "stored", "int32", 10_000, 2),
+        ("staged", "dest", "recompute", "int64", 10_000, ""),
+        ("ranks", "dest", "recompute", "int64", 10_000, ""),
+        ("ranks", "pos", "recompute", "int64", 10_000, ""),
+        ("ranks", "dest", "stored", "int64", 10_000, ""),
+        ("ranks", "pos", "stored", "int64", 10_000, ""),
+        ("ranks", "dest", "recompute", "int32", 10_000, ""),
+        ("ranks", "pos", "stored", "int32", 10_000, ""),
         # local rows past 2^31: int32 staging stores those values directly
-        ("ranks", "dest", "recompute", "int32", 1 << 44, 2),
-        ("ranks", "pos", "stored", "int32", 1 << 44, 2),
-        ("ranks", "dest", "recompute", "int32", 1 << 44, 4),
-        ("ranks", "pos", "recompute", "int64", 10_000, 4),
+        ("ranks", "dest", "recompute", "int32", 1 << 44, ""),
+        ("ranks", "pos", "stored", "int32", 1 << 44, ""),
+        ("ranks", "dest", "recompute", "int32", 1 << 44, "ahead=4"),
+        ("ranks", "pos", "recompute", "int64", 10_000, "ahead=4"),
+        ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True"),
+        ("ranks", "pos", "stored", "int64", 10_000, "prefetch=True"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])
@@ -390,7 +422,7 @@ def test_v5_equals_reference_on_gpu(
     dests: str,
     staging: str,
     rows: int,
-    ahead: int,
+    knobs: str,
 ) -> None:
     """Compiled on the GPU in a fresh process: this module (and others) import Triton in
     interpreter mode, where Gluon kernels cannot be compiled."""
@@ -400,7 +432,7 @@ def test_v5_equals_reference_on_gpu(
         "slots": slots,
         "dests": dests,
         "staging": staging,
-        "ahead": ahead,
+        **eval(f"dict({knobs})"),  # e.g. "ahead=4"
     }
     got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg, rows=rows))
     assert all(got.values()), got

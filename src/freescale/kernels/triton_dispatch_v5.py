@@ -675,6 +675,7 @@ def _v5_scatter_ranks_kernel(
     DST: gl.constexpr,
     V32: gl.constexpr,
     AHEAD: gl.constexpr,
+    PREFETCH: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
@@ -777,18 +778,26 @@ def _v5_scatter_ranks_kernel(
             d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    # PREFETCH: r2's first ids are loaded here, in flight during (b)
+    nxt = gl.load(values_ptr + start + e2, mask=(e2 < n_t) & PREFETCH, other=0).to(gl.int64)
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
     _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY)
     # (r2) every id in any order: the dest again (from the id), slot = the warp's start
-    # for the dest + the rank; value staged at the slot, output position to perm
+    # for the dest + the rank; value staged at the slot, output position to perm. With
+    # PREFETCH the next pass's ids are loaded before this pass's work (double buffer)
     for j0 in range(0, n_t, CH * U):
         loc = j0 + e2
         m = loc < n_t
         locc = gl.where(m, loc, 0)
-        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        if PREFETCH:
+            ids = nxt
+            nl = loc + CH * U
+            nxt = gl.load(values_ptr + start + nl, mask=nl < n_t, other=0).to(gl.int64)
+        else:
+            ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         if DST:
             d = _sh_ld16(DEST + locc * 2)
         else:
@@ -877,6 +886,10 @@ class V5Config:
         ids the ordered loop (r1) keeps loading ahead of the chunk it ranks: 2 or 4
         (session 35's profile: 14% of the W = 1024 scatter's stall samples waited on
         those loads). Opt-in.
+    prefetch: with ``scatter="ranks"``, placement (r2) loads the ids of its next pass
+        before working on the current one, and its first pass's ids before step (b)
+        (the same profile: 15% of the stall samples on r2's id loads; four ids per
+        thread instead of two did not help). Opt-in.
     """
 
     tile: int = 4096
@@ -890,6 +903,7 @@ class V5Config:
     dests: str = "recompute"
     staging: str = "int64"
     ahead: int = 2
+    prefetch: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -979,6 +993,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
         meta["AHEAD"] = cfg.ahead
+        meta["PREFETCH"] = cfg.prefetch
     return meta
 
 
@@ -1000,6 +1015,8 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"slots must be one of {SLOTS}, got {cfg.slots!r}")
     if cfg.dests not in DESTS:
         raise ValueError(f"dests must be one of {DESTS}, got {cfg.dests!r}")
+    if not isinstance(cfg.prefetch, bool):
+        raise ValueError(f"prefetch must be True or False, got {cfg.prefetch!r}")
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
     if cfg.staging not in STAGINGS:
