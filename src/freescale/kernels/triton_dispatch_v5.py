@@ -919,8 +919,7 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     H100 ("H100" in the name): that 4096-id config below W = 512; from W = 512 the same
     warps with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
     (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there). On
-    one H100 at
-    422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
+    one H100 at 422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
     won from W = 32 to 256: 0.781 against 0.825 ms at W = 32, 0.913 against 0.926 at
