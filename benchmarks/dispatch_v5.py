@@ -172,6 +172,19 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                    "unroll": 2, "scatter": "ranks", "staging": "int32"},
     "ranks_t4096_c8_s8_u4_v32": {"tile": 4096, "count_warps": 8, "scatter_warps": 8,
                                  "unroll": 4, "scatter": "ranks", "staging": "int32"},
+    # session 36: int16 counter snapshots (`V5Config.snaps`), half the count -> finish bytes
+    "ranks_t8192_c8_s16_u2_v32_sn16": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
+                                       "unroll": 2, "scatter": "ranks", "staging": "int32",
+                                       "snaps": "int16"},
+    "ranks_t16384_c8_s16_u2_v32_sn16": {"tile": 16384, "count_warps": 8, "scatter_warps": 16,
+                                        "unroll": 2, "scatter": "ranks", "staging": "int32",
+                                        "snaps": "int16"},
+    "ranks_t4096_c8_s16_u2_sn16": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                   "unroll": 2, "scatter": "ranks", "snaps": "int16"},
+    "ranks_t2048_c4_s8_u4_sn16": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                  "unroll": 4, "scatter": "ranks", "snaps": "int16"},
+    "v5_t2048_w4_u4_sn16": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4,
+                            "snaps": "int16"},
 }  # fmt: skip
 
 

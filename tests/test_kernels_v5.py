@@ -87,6 +87,8 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(ahead=3))
     with pytest.raises(ValueError, match="prefetch must be True or False"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(prefetch=1))
+    with pytest.raises(ValueError, match="snaps must be one of"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(snaps="int8"))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -168,6 +170,10 @@ def _run_fresh(tmp_path, code: str) -> dict:
         (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
          "prefetch=True"),
         (7, 256, 4, 2, True, "int64", "ranks", "rows", "pos", "stored", "int64", "prefetch=True"),
+        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
+         'snaps="int16"'),
+        (7, 256, 2, 2, True, "int32", "staged", "columns", "dest", "recompute", "int64",
+         'snaps="int16"'),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -210,9 +216,12 @@ print(json.dumps({{
     "needed": v5.scatter_smem_bytes(cfg, {world}),
     "limit": v5.SMEM_LIMIT,
     "missing": [i for i in used if i not in ptx],
+    # int16 snapshots: the count kernel's only 16-bit global stores
+    "snaps16": ("st.global.b16" in kernels["count"].asm["ptx"]) == (cfg.snaps == "int16"),
 }}))
 """,
     )
+    assert got["snaps16"]
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
@@ -387,6 +396,9 @@ print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fie
         ("ranks", "pos", "recompute", "int64", 10_000, "ahead=4"),
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True"),
         ("ranks", "pos", "stored", "int64", 10_000, "prefetch=True"),
+        # int16 snapshots: counters up to ~9.6K ids (one key's ids in one 16384-id tile)
+        ("ranks", "dest", "recompute", "int32", 1 << 44, 'tile=16384, snaps="int16"'),
+        ("staged", "dest", "recompute", "int64", 10_000, 'snaps="int16"'),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])
