@@ -61,7 +61,9 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   values as int32 (a value that does not fit goes straight to its output position, its
   slot marked -1): 4 bytes of shared memory less per id, so that 8192-id tiles fit twice
   per SM at W = 1024 (half the per-tile work and tables per id: 0.402 of the floor on an
-  H100 against 0.341 with 4096-id tiles, `kernels_h100_15a9a81.json`).
+  H100 against 0.341 with 4096-id tiles, `kernels_h100_15a9a81.json`). Session 36 added
+  ``V5Config(snaps="int16")`` (the count kernel's counter snapshots at half the bytes) and
+  ``prefetch=True`` to the H100's table: 0.417 at W = 1024 (`kernels_h100_3d4b487.json`).
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -885,16 +887,24 @@ class V5Config:
     ahead: with ``scatter="ranks"`` and ``dests="recompute"``, how many chunks of 32
         ids the ordered loop (r1) keeps loading ahead of the chunk it ranks: 2 or 4
         (session 35's profile: 14% of the W = 1024 scatter's stall samples waited on
-        those loads). Opt-in.
+        those loads). Opt-in: on one H100 (`dispatch_v5_snaps_h100_561a5b7.json`) it did
+        not help with 8192-id tiles (W = 1024: 1.550 against 1.541 ms; W = 256: 1.212
+        against 1.179); with 4096-id tiles 2-5% faster at W = 1024 and 2048, where the
+        H100 runs 8192- or 16384-id tiles.
     prefetch: with ``scatter="ranks"``, placement (r2) loads the ids of its next pass
         before working on the current one, and its first pass's ids before step (b)
         (the same profile: 15% of the stall samples on r2's id loads; four ids per
-        thread instead of two did not help). Opt-in.
+        thread instead of two did not help). On one H100 (`dispatch_v5_pfsn_h100_ad89623.json`,
+        with int16 snapshots) 2.8-6.3% faster from W = 512 with 8192- and 16384-id tiles,
+        the H100's default there; +1.7% slower at W = 256 with 4096-id tiles.
     snaps: the width of the count kernel's per-segment counter snapshots (nseg x W words
         written, then read by the finish pass): "int32" (v4's) or "int16" (half the
         bytes; a counter never exceeds the tile, at most 16384 ids). At 2^26 ids, W = 1024
         and 64K segments they are 256 MB each way at int32, ~0.17 ms of an H100's
-        1.55 ms call. Opt-in until timed on a GPU.
+        1.55 ms call. On one H100 (`dispatch_v5_snaps_h100_561a5b7.json`): 1.511 against
+        1.541 ms at W = 1024, 2.364 against 2.418 at W = 2048 (8192-id tiles), 0.966
+        against 0.968 at W = 64; never slower. The H100 table uses it at every W; the H200
+        table not yet (not timed there).
     """
 
     tile: int = 4096
@@ -924,7 +934,10 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
 
     H100 ("H100" in the name): that 4096-id config below W = 512; from W = 512 the same
     warps with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
-    (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there). On
+    (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there), and
+    placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
+    `dispatch_v5_pfsn_h100_ad89623.json`: W = 1024 1.484 against 1.541 ms, W = 2048 1.910
+    against 2.038, W = 256 1.094 against 1.100; `kernels_h100_3d4b487.json`). On
     one H100 at 422e9b0 (`dispatch_v5_h100_422e9b0.json`) the 4096-id config took 0.915 / 0.949 /
     0.979 / 1.036 / 1.140 ms at W = 8 / 32 / 64 / 128 / 256 against 0.948 / 1.042 /
     1.175 / 1.297 / 1.592 for the H200 table's choices (on the H200 the smaller tiles
