@@ -119,10 +119,13 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
             tile = 4096 if world < 512 else 16384 if 1024 < world <= 2048 else 8192
             assert (cfg.tile, cfg.staging) == (tile, "int64" if tile == 4096 else "int32")
             assert cfg.scatter == "ranks" and cfg.scatter_warps == 16, (name, world)
+            # session 36: int16 snapshots everywhere, placement prefetch from W = 512
+            assert (cfg.snaps, cfg.prefetch) == ("int16", world >= 512), (name, world)
             assert v5.v5_supported(world, None, cfg), (name, world)
     for name in ("NVIDIA H200", "NVIDIA GH200 480GB", None):  # the H200 table
         assert v5.default_config_v5(8, name) == v5.default_config_v5(8)
         assert v5.default_config_v5(64, name).tile == 2048
+        assert v5.default_config_v5(1024, name).snaps == "int32"  # not timed on an H200
 
 
 def _run_fresh(tmp_path, code: str) -> dict:
