@@ -389,7 +389,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from freescale.kernels import triton_dispatch_v5 as v5
 
     dev = torch.device("cuda")
-    card = v5.device_name(torch.device("cuda", torch.cuda.current_device()))
+    # the card whose table "v5_default" runs (FREESCALE_V5_TABLE may name the other one)
+    card = v5.table_name(v5.device_name(torch.device("cuda", torch.cuda.current_device())))
     if args.ncu_config:
         wl = make_workload("large", 8192, 1 << 26, dev, seed=0, smoke=False)
         cfg = v5.V5Config(**CONFIGS[args.ncu_config])

@@ -585,6 +585,8 @@ def _headline(rows: list[dict]) -> dict:
             f"{ops.V4_MIN_IDS} id(s), v3 below and for W > {ops.V4_MAX_WORLD}; here "
             f"{', '.join(used) or 'not recorded'})"
         )
+        if os.environ.get("FREESCALE_V5_TABLE"):  # see config.v5_table_override
+            kernel += f"; v5 with the {os.environ['FREESCALE_V5_TABLE']} table"
     elif "triton_v3_ms" in have:  # v3 trained on CUDA (ops.ranged_dispatch)
         out = fig("triton_v3_ms")
         out.update({f"{k}_v1": v for k, v in fig("triton_v1_ms").items()})
@@ -806,6 +808,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "rows_per_table": ROWS_PER_TABLE,
             "naive_budget_s": args.naive_budget_s,
             "budget_s": args.budget_s,
+            # set: v5 ran that card's table on this one (triton_dispatch_v5.table_name)
+            "v5_table_override": os.environ.get("FREESCALE_V5_TABLE") or None,
         },
         "rows": runner.rows,
         "headline": _headline(runner.rows),

@@ -128,6 +128,23 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
         assert v5.default_config_v5(1024, name).snaps == "int32"  # not timed on an H200
 
 
+def test_table_override_names_the_other_cards_table(monkeypatch) -> None:
+    """``FREESCALE_V5_TABLE`` (a benchmark knob) makes `default_config_v5` use the named
+    card's table whatever the card; unset, the card's own; anything else is an error."""
+    v5 = _v5()
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    monkeypatch.delenv(v5.TABLE_ENV, raising=False)
+    assert v5.table_name(h200) == h200 and v5.table_name(None) is None
+    monkeypatch.setenv(v5.TABLE_ENV, "H100")
+    assert v5.default_config_v5(1024, v5.table_name(h200)) == v5.default_config_v5(1024, h100)
+    assert v5.default_config_v5(1024, v5.table_name(h200)) != v5.default_config_v5(1024, h200)
+    monkeypatch.setenv(v5.TABLE_ENV, "H200")
+    assert v5.default_config_v5(1024, v5.table_name(h100)) == v5.default_config_v5(1024, h200)
+    monkeypatch.setenv(v5.TABLE_ENV, "A100")
+    with pytest.raises(ValueError, match="FREESCALE_V5_TABLE must be one of"):
+        v5.table_name(h100)
+
+
 def _run_fresh(tmp_path, code: str) -> dict:
     """Run `code` (a script printing one JSON line last) in a fresh Python process
     without TRITON_INTERPRET: compiling for sm_90 there is independent of the patches

@@ -67,9 +67,9 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 def _cuda_name(device: torch.device) -> str:
-    from freescale.kernels.triton_dispatch_v5 import device_name
+    from freescale.kernels.triton_dispatch_v5 import device_name, table_name
 
-    return device_name(device)  # picks v5's default table (H100 or H200)
+    return table_name(device_name(device))  # picks v5's default table (H100 or H200)
 
 
 def _v5_runs(values: torch.Tensor, world_size: int, weights: Optional[torch.Tensor]) -> bool:

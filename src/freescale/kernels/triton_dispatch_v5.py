@@ -2,7 +2,8 @@
 its rank and scatter kernels replaced by Gluon kernels that keep their per-tile state
 in shared memory.
 
-Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5` (per W and card),
+Owns: `ranged_dispatch_v5`, `V5Config`, `default_config_v5` (per W and card; `table_name`:
+the ``FREESCALE_V5_TABLE`` override),
 `device_name`, `check_config`,
 `v5_supported`, `check_layout`, `compile_v5`, the Gluon kernels (one count, two
 scatters) and a plain Triton transpose
@@ -77,6 +78,7 @@ compares the bits.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -975,6 +977,28 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+TABLE_ENV = "FREESCALE_V5_TABLE"
+TABLE_CARDS = {
+    "H100": "NVIDIA H100 (FREESCALE_V5_TABLE)",
+    "H200": "NVIDIA H200 (FREESCALE_V5_TABLE)",
+}
+
+
+def table_name(card: Optional[str]) -> Optional[str]:
+    """The card name `default_config_v5` picks its table by: `card` (the tensors' card),
+    unless ``FREESCALE_V5_TABLE`` is "H100" or "H200". That override is a benchmark knob:
+    one GPU call can time the other card's table next to the A/B that decides whether to
+    adopt it (`benchmarks/kernels.py` records it). Same bits either way."""
+    forced = os.environ.get(TABLE_ENV, "")
+    if not forced:
+        return card
+    if forced not in TABLE_CARDS:
+        raise ValueError(
+            f"{TABLE_ENV} must be one of {tuple(TABLE_CARDS)} or unset, got {forced!r}"
+        )
+    return TABLE_CARDS[forced]
+
+
 SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
@@ -1181,7 +1205,7 @@ def ranged_dispatch_v5(
     and results as `reference.ranged_dispatch` for the inputs `v5_supported` accepts."""
     num_keys, batch = check_dispatch_inputs(values, lengths, block_sizes, world_size, mode, weights)
     card = device_name(values.device) if values.device.type == "cuda" else None
-    cfg = config or default_config_v5(world_size, card)
+    cfg = config or default_config_v5(world_size, table_name(card))
     check_config(cfg)
     t = cfg.tile
     if not v5_supported(world_size, weights, cfg):
