@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
+#   both: `check_kernels_cuda.py` first (every dispatch kernel, block and modulo, against the
+#         reference; session 36's unsigned owner/row arithmetic has not run on a GPU yet).
 #   H200: the A/B of the H100 table's options against the H200's own configs at 2^26 ids
 #         (`dispatch_v5.py`, ~1.5 min), then `kernels.py` with FREESCALE_V5_TABLE=H100
 #         (~4 min): the H200 figure with the H100 table, to commit as `kernels.json` if
@@ -32,27 +34,28 @@ step() { # step SECONDS LOG CMD...: run CMD under a time limit into LOG, record 
   timeout "$limit" "$@" > "$log" 2>&1
   local rc=$?
   echo "step rc=$rc: $*"
-  grep -E "W=|passed|failed|MISMATCH|fraction_of_hbm_floor\"|speedup_vs" "$log" | tail -n 40
+  grep -E "W=|passed|failed|MISMATCH|OK|fraction_of_hbm_floor\"|speedup_vs" "$log" | tail -n 40
   [ $rc -eq 0 ] || fail=1
 }
 mkdir -p "$OUT/ab" "$OUT/k"
+[ -z "$CARD" ] || step 150 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py
 case $CARD in
   *H200*)
-    step 200 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+    step 150 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
       --no-check --workloads large --worlds 8 64 256 512 1024 2048 --configs \
       v5_t2048_w4_u4 v5_t2048_w4_u4_sn16 ranks_t2048_c4_s8_u4 ranks_t2048_c4_s8_u4_sn16 \
       ranks_t4096_c8_s16_u2 ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32 \
       ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t16384_c8_s16_u2_v32_pf_sn16
-    FREESCALE_V5_TABLE=H100 step 330 "$OUT/k/kernels.log" \
+    FREESCALE_V5_TABLE=H100 step 290 "$OUT/k/kernels.log" \
       python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
   *H100*)
-    step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+    step 60 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernels_v5.py -k "on_gpu and 16384 and prefetch"
-    step 300 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
+    step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     if command -v ncu > /dev/null; then
       # the 3rd _v5_scatter_ranks launch: the first compiles, -s skips the check's calls
-      step 150 "$OUT/ncu_default_w1024.csv" ncu --clock-control none -k regex:_v5_scatter_ranks \
+      step 100 "$OUT/ncu_default_w1024.csv" ncu --clock-control none -k regex:_v5_scatter_ranks \
         -s 1 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section Occupancy \
         --section LaunchStats --csv --page details \

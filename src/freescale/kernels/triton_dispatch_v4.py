@@ -186,7 +186,8 @@ def _owner(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
     estimate ids * (1 / blk) is within a relative 2^-20 of ids / blk, i.e. within 2^-5
     of it: its floor is the quotient or one off either way, which one exact int64
     remainder fixes. Elsewhere the estimate is clamped (no overflow in the conversion)
-    and unused. `owner_exact` is the plain rule."""
+    and unused. Past blk * WORLD the owner is ids % WORLD in unsigned arithmetic (`umod`:
+    ids are >= 0). `owner_exact` is the plain rule."""
     return _owner_inv(ids, blk, 1.0 / blk.to(tl.float32), WORLD, MODULO)
 
 
@@ -195,14 +196,27 @@ def _owner_inv(ids, blk, inv, WORLD: tl.constexpr, MODULO: tl.constexpr):
     """`_owner` given inv = 1.0 / blk.to(float32) (computed once per tile by callers that
     loop)."""
     if MODULO:
-        owner = ids % WORLD
+        owner = umod(ids, WORLD)
     else:
         est = tl.minimum(ids.to(tl.float32) * inv, WORLD * 1.0)
         q = est.to(tl.int32).to(tl.int64)
         r = ids - q * blk
         q = tl.where(r < 0, q - 1, tl.where(r >= blk, q + 1, q))
-        owner = tl.where(ids < blk * WORLD, q, ids % WORLD)
+        owner = tl.where(ids < blk * WORLD, q, umod(ids, WORLD))
     return owner.to(tl.int32)
+
+
+@triton.jit
+def umod(ids, WORLD: tl.constexpr):
+    """ids % WORLD for int64 ids >= 0 (the dispatch's contract), as unsigned arithmetic:
+    the signed rule's sign fix-up (3 instructions per id at a power-of-two W) falls away."""
+    return (ids.to(tl.uint64) % WORLD).to(tl.int64)
+
+
+@triton.jit
+def udiv(ids, WORLD: tl.constexpr):
+    """ids // WORLD for int64 ids >= 0, unsigned (see `umod`)."""
+    return (ids.to(tl.uint64) // WORLD).to(tl.int64)
 
 
 @triton.jit
@@ -966,9 +980,9 @@ def _v4_scatter_kernel(
         base = tl.load(et_ptr + t * WORLD + dest, mask=mask, other=0)
     pos = base.to(tl.int64) + (packed & 0xFFFF)
     if MODULO:
-        local = ids // WORLD
+        local = udiv(ids, WORLD)
     else:
-        local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, ids // WORLD)
+        local = tl.where(ids < blk * WORLD, ids - dest.to(tl.int64) * blk, udiv(ids, WORLD))
     tl.store(out_values_ptr + pos, local.to(out_values_ptr.dtype.element_ty), mask=mask)
     tl.store(perm_ptr + offs, pos, mask=mask)
     if HAS_WEIGHTS:

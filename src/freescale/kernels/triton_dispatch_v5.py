@@ -97,6 +97,7 @@ from freescale.kernels.triton_dispatch_v4 import (  # plain Triton helpers Gluon
     _popc,
     launch_finish_rows,
     launch_tables,
+    udiv,
 )
 
 V5_MAX_WORLD = 4096  # per-warp counter rows: NW * W * 4 bytes of shared memory
@@ -638,9 +639,9 @@ def _v5_scatter_kernel(
         slot, sync = _warp_rank(d, m, w, below, above, WC, WROW)
         slotc = gl.where(m, slot, 0) + sync
         if MODULO:
-            local = ids // WORLD
+            local = udiv(ids, WORLD)
         else:
-            local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, ids // WORLD)
+            local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, udiv(ids, WORLD))
         _sh_st64(VAL + slotc * 8, local, mi)
         shift = _sh_ld64(SHIFT + dc * 8)
         if POS:
@@ -808,9 +809,9 @@ def _v5_scatter_ranks_kernel(
             d = _owner_inv(ids, blk, inv, WORLD, MODULO)
         slot = _sh_ld16(WC + ((locc // SUB) * WROW + d) * 2) + _sh_ld16(RNK + locc * 2)
         if MODULO:
-            local = ids // WORLD
+            local = udiv(ids, WORLD)
         else:
-            local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, ids // WORLD)
+            local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, udiv(ids, WORLD))
         mi = m.to(gl.int32)
         shift = _sh_ld64(SHIFT + d * 8)
         if V32:
