@@ -903,8 +903,8 @@ class V5Config:
     snaps: the width of the count kernel's per-segment counter snapshots (nseg x W words
         written, then read by the finish pass): "int32" (v4's) or "int16" (half the
         bytes; a counter never exceeds the tile, at most 16384 ids). At 2^26 ids, W = 1024
-        and 64K segments they are 256 MB each way at int32, ~0.17 ms of an H100's
-        1.55 ms call. On one H100 (`dispatch_v5_snaps_h100_561a5b7.json`): 1.511 against
+        and 32K segments they are 128 MB each way at int32, ~0.085 ms of an H100's
+        1.54 ms call. On one H100 (`dispatch_v5_snaps_h100_561a5b7.json`): 1.511 against
         1.541 ms at W = 1024, 2.364 against 2.418 at W = 2048 (8192-id tiles), 0.966
         against 0.968 at W = 64; never slower. The H100 table uses it at every W; the H200
         table not yet (not timed there).
