@@ -1,0 +1,82 @@
+"""The one-call GPU scripts under benchmarks/ parse, and `v5_next.sh` (``DRY=1``) plans
+the steps its header promises for each card, naming only configurations and tests that
+exist: a typo there costs a GPU call (its device time is scarce), not a CI run."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.sh")) + sorted((ROOT / "tools").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shell_scripts_parse(script: Path) -> None:
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def _dispatch_v5_configs() -> set[str]:
+    """The names in `benchmarks/dispatch_v5.py`'s CONFIGS, read without importing it (its
+    import needs Triton's Gluon, which the plan check does not)."""
+    tree = ast.parse((ROOT / "benchmarks" / "dispatch_v5.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "CONFIGS" for t in node.targets
+        ):
+            return {k.value for k in node.value.keys}  # type: ignore[attr-defined]
+    raise AssertionError("no CONFIGS in dispatch_v5.py")
+
+
+def _plan(tmp_path: Path, card: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DRY": "1", "CARD": card, "OUT": str(tmp_path), "GIT_SHA": "0" * 40}
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "v5_next.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("card", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> None:
+    done = _plan(tmp_path, card)
+    assert done.returncode == 0, done.stderr
+    steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
+    assert "check_kernels_cuda.py" in steps[0]  # the GPU check comes first on every card
+    assert any("benchmarks/kernels.py" in s for s in steps)
+    known = _dispatch_v5_configs()
+    for step in steps:
+        for names in re.findall(r"--(?:configs|ncu-config) ([\w ]+?)(?: --|$)", step):
+            missing = [n for n in names.split() if n not in known]
+            assert not missing, (card, missing)
+    if "H200" in card:
+        assert any("--configs" in s for s in steps)
+    else:  # the -k expression selects at least one GPU case of test_kernels_v5.py
+        k = re.search(r"-k (on_gpu[^>]*)$", next(s for s in steps if "-m pytest" in s))
+        assert k is not None
+        collected = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+             "tests/test_kernels_v5.py", "-k", k.group(1)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert re.search(r"\b[1-9]\d* tests? collected|[1-9]\d*/\d+ tests collected",
+                         collected.stdout), collected.stdout[-2000:]  # fmt: skip
+
+
+def test_v5_next_refuses_without_a_known_card(tmp_path: Path) -> None:
+    done = _plan(tmp_path, "")
+    assert done.returncode == 1
+    assert "no H100 or H200 here" in done.stderr
