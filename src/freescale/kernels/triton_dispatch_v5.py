@@ -77,6 +77,7 @@ compares the bits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -958,12 +959,9 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
     if device_name is not None and "H100" in device_name:
         if world_size < 512:
-            return V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
-                            scatter="ranks", snaps="int16")  # fmt: skip
+            return dataclasses.replace(big, snaps="int16")
         tile = 16384 if 1024 < world_size <= 2048 else 8192
-        return V5Config(tile=tile, count_warps=8, scatter_warps=16, unroll=2,
-                        scatter="ranks", staging="int32", prefetch=True,
-                        snaps="int16")  # fmt: skip
+        return dataclasses.replace(big, tile=tile, staging="int32", prefetch=True, snaps="int16")
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
     if world_size <= 256:
