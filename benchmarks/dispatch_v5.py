@@ -195,6 +195,24 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                       "snaps": "int16"},
     "v5_t2048_w4_u4_sn16": {"tile": 2048, "count_warps": 4, "scatter_warps": 4, "unroll": 4,
                             "snaps": "int16"},
+    # session 37: 32-bit owner and row arithmetic (`V5Config.narrow`) on each table's configs
+    "ranks_t2048_c4_s8_u4_nr": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                "unroll": 4, "scatter": "ranks", "narrow": True},
+    "ranks_t4096_c8_s16_u2_nr": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                 "unroll": 2, "scatter": "ranks", "narrow": True},
+    "ranks_t4096_c8_s16_u2_sn16_nr": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                      "unroll": 2, "scatter": "ranks", "snaps": "int16",
+                                      "narrow": True},
+    "ranks_t8192_c8_s16_u2_v32_pf_sn16_nr": {"tile": 8192, "count_warps": 8,
+                                             "scatter_warps": 16, "unroll": 2,
+                                             "scatter": "ranks", "staging": "int32",
+                                             "prefetch": True, "snaps": "int16",
+                                             "narrow": True},
+    "ranks_t16384_c8_s16_u2_v32_pf_sn16_nr": {"tile": 16384, "count_warps": 8,
+                                              "scatter_warps": 16, "unroll": 2,
+                                              "scatter": "ranks", "staging": "int32",
+                                              "prefetch": True, "snaps": "int16",
+                                              "narrow": True},
 }  # fmt: skip
 
 

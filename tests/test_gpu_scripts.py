@@ -36,7 +36,8 @@ def _dispatch_v5_configs() -> set[str]:
 
 
 def _plan(tmp_path: Path, card: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DRY": "1", "CARD": card, "OUT": str(tmp_path), "GIT_SHA": "0" * 40}
+    env = {**os.environ, "DRY": "1", "CARD": card, "OUT": str(tmp_path), "GIT_SHA": "0" * 40,
+           "BASE": "1" * 40}  # fmt: skip
     return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "v5_next.sh")],
         cwd=ROOT,
@@ -52,28 +53,29 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     done = _plan(tmp_path, card)
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
-    assert "check_kernels_cuda.py" in steps[0]  # the GPU check comes first on every card
-    assert any("benchmarks/kernels.py" in s for s in steps)
+    assert "-m pytest" in steps[0]  # the new option's GPU cases come first on every card
+    assert any("check_kernels_cuda.py" in s for s in steps)
     known = _dispatch_v5_configs()
+    timed = []
     for step in steps:
         for names in re.findall(r"--(?:configs|ncu-config) ([\w ]+?)(?: --|$)", step):
             missing = [n for n in names.split() if n not in known]
             assert not missing, (card, missing)
-    if "H200" in card:
-        assert any("--configs" in s for s in steps)
-    else:  # the -k expression selects at least one GPU case of test_kernels_v5.py
-        k = re.search(r"-k (on_gpu[^>]*)$", next(s for s in steps if "-m pytest" in s))
-        assert k is not None
-        collected = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-             "tests/test_kernels_v5.py", "-k", k.group(1)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )  # fmt: skip
-        assert re.search(r"\b[1-9]\d* tests? collected|[1-9]\d*/\d+ tests collected",
-                         collected.stdout), collected.stdout[-2000:]  # fmt: skip
+            timed.append(names.split())
+    # the base tree's configs, then the same and their narrow twins on this tree
+    assert len(timed) == 2 and set(timed[1]) == set(timed[0]) | {f"{n}_nr" for n in timed[0]}
+    k = re.search(r"-k (on_gpu[^>]*)$", steps[0])
+    assert k is not None  # the -k expression selects at least one GPU case
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/test_kernels_v5.py", "-k", k.group(1)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert re.search(r"\b[1-9]\d* tests? collected|[1-9]\d*/\d+ tests collected",
+                     collected.stdout), collected.stdout[-2000:]  # fmt: skip
 
 
 def test_v5_next_refuses_without_a_known_card(tmp_path: Path) -> None:

@@ -693,6 +693,48 @@ if triton_available():
         tl.store(out_ptr + offs, owner, mask=m)
 
     @triton.jit
+    def _narrow_probe(ids_ptr, owner_ptr, local_ptr, ok_ptr, blk_ptr, n, WORLD: tl.constexpr,
+                      B: tl.constexpr):  # fmt: skip
+        """owner, local = v4's `owner_local_narrow` of ids (looked up on the module at run
+        time, so that a test can swap it); ok = `narrow_ok` of the block size."""
+        offs = tl.arange(0, B)
+        m = offs < n
+        ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int64)
+        blk = tl.load(blk_ptr).to(tl.int64)
+        owner, local = _v4_mod.owner_local_narrow(ids, blk, 1.0 / blk.to(tl.float32), WORLD)
+        tl.store(owner_ptr + offs, owner, mask=m)
+        tl.store(local_ptr + offs, local, mask=m)
+        tl.store(ok_ptr, _v4_mod.narrow_ok(blk, WORLD).to(tl.int32))
+
+    @triton.jit
+    def _narrow_low_compare(ids, blk, inv, WORLD: tl.constexpr):
+        """A mutation: the range check on the low word only (ids past 2^32 whose low word
+        is in range would take the 32-bit result)."""
+        blk32 = blk.to(tl.int32)
+        lo = ids.to(tl.int32)
+        q = tl.minimum(lo.to(tl.float32) * inv, WORLD * 1.0).to(tl.int32)
+        r = lo - q * blk32
+        neg = r < 0
+        big = r >= blk32
+        q = tl.where(neg, q - 1, tl.where(big, q + 1, q))
+        r = tl.where(neg, r + blk32, tl.where(big, r - blk32, r))
+        inside = (lo >= 0) & (lo < blk32 * WORLD)
+        owner = tl.where(inside, q, _v4_mod.umod(ids, WORLD).to(tl.int32))
+        local = tl.where(inside, r.to(tl.int64), _v4_mod.udiv(ids, WORLD))
+        return owner, local
+
+    @triton.jit
+    def _narrow_uncorrected(ids, blk, inv, WORLD: tl.constexpr):
+        """A mutation: the 32-bit estimate without its correction."""
+        blk32 = blk.to(tl.int32)
+        lo = ids.to(tl.int32)
+        q = tl.minimum(lo.to(tl.float32) * inv, WORLD * 1.0).to(tl.int32)
+        inside = ids < blk * WORLD
+        owner = tl.where(inside, q, _v4_mod.umod(ids, WORLD).to(tl.int32))
+        local = tl.where(inside, (lo - q * blk32).to(tl.int64), _v4_mod.udiv(ids, WORLD))
+        return owner, local
+
+    @triton.jit
     def _owner_uncorrected(ids, blk, WORLD: tl.constexpr, MODULO: tl.constexpr):
         """The mutation: `_owner`'s float estimate without its correction."""
         est = tl.minimum(ids.to(tl.float32) * (1.0 / blk.to(tl.float32)), WORLD * 1.0)
@@ -743,3 +785,67 @@ def test_owner_without_division_is_exact(gen, mode):
             finally:
                 _v4_mod._owner = saved
     assert modulo or caught > 0, "the uncorrected estimate was never wrong: the cases are too easy"
+
+
+def _narrow_limit_blk(world: int) -> int:
+    """The largest block size `narrow_ok` accepts at this world size."""
+    return (2**31 - 1) // (world + 1)
+
+
+@pytest.mark.parametrize("mutation", [None, "low_compare", "uncorrected"])
+def test_owner_local_narrow_is_exact(gen, mutation):
+    """Block mode's 32-bit owner and local row (`owner_local_narrow`, v5's ``narrow``
+    option) equal `reference.owner_and_local` wherever `narrow_ok` holds: ids at every
+    block border +-1, random ids below blk * W, ids past it up to 2^63 - 1, and ids past
+    2^32 whose low word lies in range; `narrow_ok` is true up to the largest admissible
+    block size and false one above. Each mutation (a range check on the low word only, an
+    estimate without its correction) is caught."""
+    v4 = _v4()
+    cases = []
+    pairs = [(1, 5), (3, 7), (1000, 1), (1024, 977), (32767, 3), (7, 65537)]
+    pairs += [(w, _narrow_limit_blk(w)) for w in (1, 1024, 4096)]
+    pairs += [(100, _narrow_limit_blk(100) - 17)]
+    for world, blk in pairs:
+        top = blk * world
+        borders = torch.arange(world + 1, dtype=torch.int64) * blk
+        below = (torch.rand(512, generator=gen, dtype=torch.float64) * top).long()
+        past = top + torch.randint(0, 1 << 30, (64,), generator=gen)
+        far = torch.randint(0, 1 << 62, (64,), generator=gen) * 2 + 1
+        high = (torch.randint(1, 1 << 20, (64,), generator=gen) << 32) + below[:64]
+        edges = torch.tensor([2**63 - 1, 2**32, 2**32 - 1, 2**31, 2**31 - 1])
+        ids = torch.cat([borders - 1, borders, borders + 1, below, past, far, high, edges])
+        cases.append((world, blk, ids.clamp(min=0)))
+    saved = v4.owner_local_narrow
+    wrong = 0
+    try:
+        if mutation == "low_compare":
+            v4.owner_local_narrow = _narrow_low_compare
+        elif mutation == "uncorrected":
+            v4.owner_local_narrow = _narrow_uncorrected
+        for world, blk, ids in cases:
+            n = ids.numel()
+            owner = torch.empty(n, dtype=torch.int32)
+            local = torch.empty(n, dtype=torch.int64)
+            ok = torch.zeros(1, dtype=torch.int32)
+            _narrow_probe[(1,)](ids, owner, local, ok, torch.tensor([blk]), n, WORLD=world,
+                                B=triton.next_power_of_2(n))  # fmt: skip
+            assert ok.item() == 1, (world, blk)
+            keys = torch.zeros(n, dtype=torch.int64)
+            want_owner, want_local = reference.owner_and_local(
+                ids, keys, torch.tensor([blk]), world, "block"
+            )
+            same = torch.equal(owner.long(), want_owner) and torch.equal(local, want_local)
+            if mutation is None:
+                assert same, (world, blk)
+            wrong += not same
+        for world in (1, 1024, 4096):
+            ok = torch.zeros(1, dtype=torch.int32)
+            blk = _narrow_limit_blk(world) + 1
+            one = torch.zeros(1, dtype=torch.int64)
+            _narrow_probe[(1,)](one, torch.empty(1, dtype=torch.int32), one.clone(), ok,
+                                torch.tensor([blk]), 1, WORLD=world, B=2)  # fmt: skip
+            assert ok.item() == 0, (world, blk)
+    finally:
+        v4.owner_local_narrow = saved
+    if mutation is not None:
+        assert wrong > 0, f"the mutation {mutation!r} was not caught"

@@ -89,6 +89,10 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(prefetch=1))
     with pytest.raises(ValueError, match="snaps must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(snaps="int8"))
+    with pytest.raises(ValueError, match="narrow must be True or False"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=1))
+    with pytest.raises(ValueError, match='narrow=True is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=True))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -194,6 +198,12 @@ def _run_fresh(tmp_path, code: str) -> dict:
          'snaps="int16"'),
         (7, 256, 2, 2, True, "int32", "staged", "columns", "dest", "recompute", "int64",
          'snaps="int16"'),
+        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
+         'prefetch=True, snaps="int16", narrow=True'),
+        (1000, 2048, 8, 4, False, "int32", "ranks", "rows", "pos", "stored", "int64",
+         "narrow=True"),
+        (7, 256, 4, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int64",
+         "narrow=True"),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -238,10 +248,16 @@ print(json.dumps({{
     "missing": [i for i in used if i not in ptx],
     # int16 snapshots: the count kernel's only 16-bit global stores
     "snaps16": ("st.global.b16" in kernels["count"].asm["ptx"]) == (cfg.snaps == "int16"),
+    # narrow, int64 ids in block mode: both kernels hold the 32-bit path (int32 -> float
+    # estimates) next to the 64-bit one (int32 ids are estimated from int32 either way)
+    "narrow": "{dtype}" == "int32" or {modulo} or all(
+        ("cvt.rn.f32.s32" in k.asm["ptx"]) == cfg.narrow and "cvt.rn.f32.s64" in k.asm["ptx"]
+        for k in kernels.values()),
 }}))
 """,
     )
     assert got["snaps16"]
+    assert got["narrow"]
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
@@ -453,6 +469,54 @@ def test_v5_equals_reference_on_gpu(
         **eval(f"dict({knobs})"),  # e.g. "ahead=4"
     }
     got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg, rows=rows))
+    assert all(got.values()), got
+
+
+_GPU_NARROW_CASE = """
+import json
+import torch
+from freescale.kernels import reference, triton_dispatch_v5 as v5
+world, cfg = {world}, v5.V5Config(**{cfg})
+g = torch.Generator(device="cuda").manual_seed(world + 1)
+# key 0: block size at narrow_ok's limit; key 1: 2^40 (the 64-bit path); key 2: small
+# blocks with ids past blk * W and ids past 2^32 whose low word lies in range
+blocks = torch.tensor([(2**31 - 1) // (world + 1), 1 << 40, 977], device="cuda")
+lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
+per_key = lengths.view(3, 64).sum(1).tolist()
+parts = []
+for k, count in enumerate(per_key):
+    top = int(blocks[k]) * world
+    ids = (torch.rand(count, device="cuda", generator=g, dtype=torch.float64) * top).long()
+    pick = torch.randint(0, 20, (count,), device="cuda", generator=g)
+    past = top + torch.randint(0, 1 << 40, (count,), device="cuda", generator=g)
+    high = (torch.randint(1, 256, (count,), device="cuda", generator=g) << 32) + ids
+    parts.append(torch.where(pick == 0, past, torch.where(pick == 1, high, ids)))
+vals = torch.cat(parts)
+ref = reference.ranged_dispatch(vals, lengths, blocks, world)
+got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=cfg)
+fields = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
+print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fields}}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        'tile=512, scatter="ranks", narrow=True',
+        'tile=512, scatter="ranks", staging="int32", prefetch=True, snaps="int16", narrow=True',
+        'tile=512, scatter="ranks", slots="pos", dests="stored", narrow=True',
+        'tile=8192, scatter_warps=16, unroll=2, scatter="ranks", staging="int32", '
+        'prefetch=True, snaps="int16", narrow=True',
+    ],
+)
+@pytest.mark.parametrize("world", [1, 8, 1000, 1024])
+def test_v5_narrow_equals_reference_on_gpu(tmp_path, world: int, knobs: str) -> None:
+    """``V5Config(narrow=True)``: a key at `narrow_ok`'s block-size limit (32-bit path), a
+    key past it (64-bit path) and a key with ids past blk * W and past 2^32 in one call,
+    bitwise equal to the reference."""
+    cfg = eval(f"dict({knobs})")
+    got = _run_fresh(tmp_path, _GPU_NARROW_CASE.format(world=world, cfg=cfg))
     assert all(got.values()), got
 
 

@@ -207,6 +207,36 @@ def _owner_inv(ids, blk, inv, WORLD: tl.constexpr, MODULO: tl.constexpr):
 
 
 @triton.jit
+def narrow_ok(blk, WORLD: tl.constexpr):
+    """Whether `owner_local_narrow` is exact for a key of block size blk (a scalar: callers
+    branch on it once per tile or piece)."""
+    return blk.to(tl.int64) * (WORLD + 1) < 2147483648  # 2^31
+
+
+@triton.jit
+def owner_local_narrow(ids, blk, inv, WORLD: tl.constexpr):
+    """Block mode's (owner int32, local row int64) of int64 ids >= 0 with 32-bit arithmetic,
+    valid where `narrow_ok(blk)`: an id below blk * WORLD (< 2^31) is its own low word, so
+    the float estimate, its one-off correction and the remainder (the local row, which
+    `_owner_inv`'s callers compute again in 64 bits) are int32 operations, and the I2F of
+    an int64 becomes one of an int32. Past blk * WORLD: ids % WORLD and ids // WORLD
+    (`umod` / `udiv`), as `_owner_inv`. Same results as `reference.owner_and_local`
+    (interpreter test `test_owner_local_narrow_is_exact`, with a mutation it catches)."""
+    blk32 = blk.to(tl.int32)
+    lo = ids.to(tl.int32)  # the low word; exact below blk * WORLD
+    q = tl.minimum(lo.to(tl.float32) * inv, WORLD * 1.0).to(tl.int32)
+    r = lo - q * blk32  # |r| <= blk * (WORLD + 1) < 2^31 where the id is in range
+    neg = r < 0
+    big = r >= blk32
+    q = tl.where(neg, q - 1, tl.where(big, q + 1, q))
+    r = tl.where(neg, r + blk32, tl.where(big, r - blk32, r))
+    inside = ids < blk * WORLD
+    owner = tl.where(inside, q, umod(ids, WORLD).to(tl.int32))
+    local = tl.where(inside, r.to(tl.int64), udiv(ids, WORLD))
+    return owner, local
+
+
+@triton.jit
 def umod(ids, WORLD: tl.constexpr):
     """ids % WORLD for int64 ids >= 0 (the dispatch's contract), as unsigned arithmetic:
     the signed rule's sign fix-up (3 instructions per id at a power-of-two W) falls away."""

@@ -98,6 +98,8 @@ from freescale.kernels.triton_dispatch_v4 import (  # plain Triton helpers Gluon
     _popc,
     launch_finish_rows,
     launch_tables,
+    narrow_ok,
+    owner_local_narrow,
     udiv,
 )
 
@@ -305,8 +307,8 @@ def transpose_2d(x: torch.Tensor, *, block: int = 64) -> torch.Tensor:
 
 
 @gluon.jit
-def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
-                 MODULO: gl.constexpr, CH: gl.constexpr):  # fmt: skip
+def _count_loop(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
+                MODULO: gl.constexpr, CH: gl.constexpr, NARROW: gl.constexpr):  # fmt: skip
     # CH: the length of e (ids per iteration)
     """Shared counters[dest] += 1 for ids values[lo:hi] (order does not matter)."""
     p = lo
@@ -314,9 +316,48 @@ def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
         offs = p + e
         m = offs < hi
         ids = gl.load(values_ptr + offs, mask=m, other=0).to(gl.int64)
-        d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+        d = _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)[0]
         _sh_add32(gl.where(m, d, 0) * 4, m.to(gl.int32))
         p += CH
+
+
+@gluon.jit
+def _count_piece(values_ptr, lo, hi, blk, inv, e, WORLD: gl.constexpr,
+                 MODULO: gl.constexpr, CH: gl.constexpr, NARROW: gl.constexpr):  # fmt: skip
+    """`_count_loop` over values[lo:hi]; NARROW (``V5Config(narrow=True)``, block mode):
+    in 32-bit arithmetic where the key passes `narrow_ok` (one uniform branch per piece)."""
+    if NARROW:
+        if narrow_ok(blk, WORLD):
+            _count_loop(values_ptr, lo, hi, blk, inv, e, WORLD, MODULO, CH, True)
+        else:
+            _count_loop(values_ptr, lo, hi, blk, inv, e, WORLD, MODULO, CH, False)
+    else:
+        _count_loop(values_ptr, lo, hi, blk, inv, e, WORLD, MODULO, CH, False)
+
+
+@gluon.jit
+def _local_of(ids, d, blk, WORLD: gl.constexpr, MODULO: gl.constexpr):
+    """The local row of ids whose owner d is known (`reference.owner_and_local`)."""
+    if MODULO:
+        local = udiv(ids, WORLD)
+    else:
+        local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, udiv(ids, WORLD))
+    return local
+
+
+@gluon.jit
+def _dest_local(ids, blk, inv, WORLD: gl.constexpr, MODULO: gl.constexpr,
+                NARROW: gl.constexpr):  # fmt: skip
+    """(dest int32, local row int64) of int64 ids >= 0: NARROW (block mode, `narrow_ok`
+    checked by the caller) in 32-bit arithmetic (`owner_local_narrow`), else the 64-bit
+    `_owner_inv` and `_local_of`. Callers that use only the dest leave the rest to dead
+    code elimination."""
+    if NARROW:
+        d, local = owner_local_narrow(ids, blk, inv, WORLD)
+    else:
+        d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+        local = _local_of(ids, d, blk, WORLD, MODULO)
+    return d, local
 
 
 @gluon.jit
@@ -482,6 +523,7 @@ def _v5_count_kernel(
     WP: gl.constexpr,
     U: gl.constexpr,
     COLUMNS: gl.constexpr,
+    NARROW: gl.constexpr,
 ):
     """Tile t: the ids of each dest d in the tile, as counts[t, d] (a contiguous row,
     transposed to v4's [dest][tile] order on the host) or, COLUMNS, straight into that
@@ -508,7 +550,7 @@ def _v5_count_kernel(
     gl.thread_barrier()
     head_end = gl.where(seg_lo < seg_hi, gl.load(seg_offsets_ptr + seg_lo), end)
     eu = gl.arange(0, CH * U, layout=layout)  # U ids per thread and iteration
-    _count_piece(values_ptr, start, head_end, blk, inv, eu, WORLD, MODULO, CH * U)
+    _count_piece(values_ptr, start, head_end, blk, inv, eu, WORLD, MODULO, CH * U, NARROW)
     s = seg_lo
     seg_start = head_end
     while s < seg_hi:
@@ -522,7 +564,7 @@ def _v5_count_kernel(
         gl.thread_barrier()  # every snapshot read precedes the next piece's atomics
         seg_end = gl.load(seg_offsets_ptr + s + 1)
         _count_piece(values_ptr, seg_start, gl.minimum(seg_end, end), blk, inv, eu, WORLD,
-                     MODULO, CH * U)  # fmt: skip
+                     MODULO, CH * U, NARROW)  # fmt: skip
         seg_start = seg_end
         s += 1
     gl.thread_barrier()
@@ -663,32 +705,14 @@ def _v5_scatter_kernel(
 
 
 @gluon.jit
-def _v5_scatter_ranks_kernel(
-    values_ptr,
-    block_sizes_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    et_ptr,
-    out_values_ptr,
-    perm_ptr,
-    WORLD: gl.constexpr,
-    MODULO: gl.constexpr,
-    TILE: gl.constexpr,
-    NW: gl.constexpr,
-    U: gl.constexpr,
-    POS: gl.constexpr,
-    DST: gl.constexpr,
-    V32: gl.constexpr,
-    AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr,
-    B0: gl.constexpr,
-    B1: gl.constexpr,
-    B2: gl.constexpr,
-    B3: gl.constexpr,
-):
-    """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d): the only
-    loop in input order per warp does just what stability needs; the random shared
+def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
+                NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
+                V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                NARROW: gl.constexpr):  # fmt: skip
+    """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
+    key block size blk, inv = 1 / blk): the only loop in input order per warp does just
+    what stability needs; the random shared
     accesses of placement run after it, U ids per thread at a time, in any order.
     Shared layout (bytes): VAL [TILE] int64 staging (int32 with V32,
     ``staging="int32"``); SHIFT [W] int64; WC [NW][WROW]
@@ -702,7 +726,8 @@ def _v5_scatter_ranks_kernel(
     dest to DEST; then r1 reads the dests from shared memory instead of loading and
     mapping ids (its ordered loop waited on each id's global load: Nsight Compute put
     15% of the kernel's stall samples on that wait at W = 1024 on an H100, session 34),
-    and r2 reads the dest instead of mapping the id again."""
+    and r2 reads the dest instead of mapping the id again.
+    NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`)."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -715,15 +740,6 @@ def _v5_scatter_ranks_kernel(
     DEST: gl.constexpr = RNK + TILE * 2
     WTOT: gl.constexpr = DEST + (TILE * 2 if DST else 0)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    buf0 = _reserve(B0)
-    if B1 > 0:
-        buf1 = _reserve(B1)
-    if B2 > 0:
-        buf2 = _reserve(B2)
-    if B3 > 0:
-        buf3 = _reserve(B3)
-    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                           block_sizes_ptr)  # fmt: skip
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
     lane = e % 32
@@ -738,7 +754,7 @@ def _v5_scatter_ranks_kernel(
             loc = j0 + e2
             m = loc < n_t
             ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
-            d = _owner_inv(ids, blk, inv, WORLD, MODULO)
+            d, _ = _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)
             _sh_st16(DEST + gl.where(m, loc, 0) * 2, d, m.to(gl.int32))
     _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
@@ -766,12 +782,15 @@ def _v5_scatter_ranks_kernel(
                             other=0).to(gl.int64)  # fmt: skip
             ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend,
                             other=0).to(gl.int64)  # fmt: skip
+        # a carried pointer: the 64-bit address math once per chunk, the index math in
+        # 32 bits
+        aptr = values_ptr + start + wloc + 32 * AHEAD
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
             ids = ids_1
-            ahead = loc + 32 * AHEAD
-            nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
+            nxt = gl.load(aptr, mask=loc + 32 * AHEAD < wend, other=0).to(gl.int64)
+            aptr += 32
             if AHEAD == 4:
                 ids_1 = ids_2
                 ids_2 = ids_3
@@ -781,7 +800,7 @@ def _v5_scatter_ranks_kernel(
                 ids_1 = ids_2
                 ids_2 = nxt
             mi = m.to(gl.int32)
-            d = gl.where(m, _owner_inv(ids, blk, inv, WORLD, MODULO), -1)
+            d = gl.where(m, _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)[0], -1)
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     # PREFETCH: r2's first ids are loaded here, in flight during (b)
@@ -804,21 +823,20 @@ def _v5_scatter_ranks_kernel(
             nxt = gl.load(values_ptr + start + nl, mask=nl < n_t, other=0).to(gl.int64)
         else:
             ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        d, local = _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)
         if DST:
             d = _sh_ld16(DEST + locc * 2)
-        else:
-            d = _owner_inv(ids, blk, inv, WORLD, MODULO)
-        slot = _sh_ld16(WC + ((locc // SUB) * WROW + d) * 2) + _sh_ld16(RNK + locc * 2)
-        if MODULO:
-            local = udiv(ids, WORLD)
-        else:
-            local = gl.where(ids < blk * WORLD, ids - d.to(gl.int64) * blk, udiv(ids, WORLD))
+            if not NARROW:
+                local = _local_of(ids, d, blk, WORLD, MODULO)
+        # the id's warp (locc >= 0: an unsigned shift, no sign fix-up)
+        owner_warp = (locc.to(gl.uint32) // SUB).to(gl.int32)
+        slot = _sh_ld16(WC + (owner_warp * WROW + d) * 2) + _sh_ld16(RNK + locc * 2)
         mi = m.to(gl.int32)
         shift = _sh_ld64(SHIFT + d * 8)
         if V32:
             # int32 staging; a value outside [0, 2^31 - 1) goes straight to its output
             # position (exact for any id) and its slot holds -1, which the write-out skips
-            fits = (local >= 0) & (local < 0x7FFFFFFF)
+            fits = local.to(gl.uint64) < 0x7FFFFFFF  # 0 <= local < 2^31 - 1
             _sh_st32(VAL + slot * 4, gl.where(fits, local, -1).to(gl.int32), mi)
             gl.store(out_values_ptr + shift + slot.to(gl.int64),
                      local.to(out_values_ptr.dtype.element_ty), mask=m & ~fits)  # fmt: skip
@@ -832,6 +850,62 @@ def _v5_scatter_ranks_kernel(
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
     _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
+
+
+@gluon.jit
+def _v5_scatter_ranks_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    et_ptr,
+    out_values_ptr,
+    perm_ptr,
+    WORLD: gl.constexpr,
+    MODULO: gl.constexpr,
+    TILE: gl.constexpr,
+    NW: gl.constexpr,
+    U: gl.constexpr,
+    POS: gl.constexpr,
+    DST: gl.constexpr,
+    V32: gl.constexpr,
+    AHEAD: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    B0: gl.constexpr,
+    B1: gl.constexpr,
+    B2: gl.constexpr,
+    B3: gl.constexpr,
+    NARROW: gl.constexpr,
+):
+    """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
+    `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
+    passes `narrow_ok` (block size x (W + 1) < 2^31) maps ids to dests and local rows in
+    32-bit arithmetic (`owner_local_narrow`); one uniform branch per tile picks the body,
+    both compiled, so another tile of the same call takes the 64-bit path."""
+    CH: gl.constexpr = NW * 32
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    buf0 = _reserve(B0)
+    if B1 > 0:
+        buf1 = _reserve(B1)
+    if B2 > 0:
+        buf2 = _reserve(B2)
+    if B3 > 0:
+        buf3 = _reserve(B3)
+    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                           block_sizes_ptr)  # fmt: skip
+    if NARROW:
+        if narrow_ok(blk, WORLD):
+            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
+                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
+                        True)  # fmt: skip
+        else:
+            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
+                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
+                        False)  # fmt: skip
+    else:
+        _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                    WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -924,6 +998,7 @@ class V5Config:
     ahead: int = 2
     prefetch: bool = False
     snaps: str = "int32"
+    narrow: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1020,6 +1095,12 @@ def _stored_dests(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.dests == "stored"
 
 
+def _narrow(cfg: V5Config, modulo: bool) -> bool:
+    """Whether the kernels take the 32-bit path on tiles that allow it (block mode only:
+    modulo mode's owner and row are a mask and a shift at a power-of-two W already)."""
+    return cfg.narrow and not modulo
+
+
 def _v32(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.staging == "int32"
 
@@ -1038,6 +1119,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["V32"] = _v32(cfg)
         meta["AHEAD"] = cfg.ahead
         meta["PREFETCH"] = cfg.prefetch
+        meta["NARROW"] = _narrow(cfg, modulo)
     return meta
 
 
@@ -1061,6 +1143,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"dests must be one of {DESTS}, got {cfg.dests!r}")
     if not isinstance(cfg.prefetch, bool):
         raise ValueError(f"prefetch must be True or False, got {cfg.prefetch!r}")
+    if not isinstance(cfg.narrow, bool):
+        raise ValueError(f"narrow must be True or False, got {cfg.narrow!r}")
+    if cfg.narrow and cfg.scatter != "ranks":
+        raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
     if cfg.snaps not in SNAPS:
@@ -1173,7 +1259,7 @@ def compile_v5(
          "snaps_ptr": "*i16" if cfg.snaps == "int16" else "*i32", "seg_tile_ptr": "*i32",
          "num_tiles": "i32"},
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": count_words, "U": cfg.unroll,
-         "COLUMNS": cfg.counts == "columns"},
+         "COLUMNS": cfg.counts == "columns", "NARROW": _narrow(cfg, modulo)},
         cw,
     )  # fmt: skip
     check_layout(count, [count_words * 4])
@@ -1252,7 +1338,8 @@ def ranged_dispatch_v5(
         (values, block_sizes, seg_offsets, tile_key, tile_start, tile_end, tile_seg_lo,
          tile_seg_hi, counts, snaps, seg_tile, num_tiles),
         {"WORLD": world_size, "MODULO": modulo, "NW": cw, "WP": max(wp, cw * 32),
-         "U": cfg.unroll, "COLUMNS": cfg.counts == "columns", "num_warps": cw},
+         "U": cfg.unroll, "COLUMNS": cfg.counts == "columns", "NARROW": _narrow(cfg, modulo),
+         "num_warps": cw},
         [max(wp, cw * 32) * 4],
     )  # fmt: skip
 
