@@ -213,6 +213,24 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                               "scatter": "ranks", "staging": "int32",
                                               "prefetch": True, "snaps": "int16",
                                               "narrow": True},
+    # session 37: each warp's ids prefetched into L2 in one bulk request (`l2_prefetch`)
+    "ranks_t2048_c4_s8_u4_l2": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                                "unroll": 4, "scatter": "ranks", "l2_prefetch": True},
+    "ranks_t4096_c8_s16_u2_l2": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                 "unroll": 2, "scatter": "ranks", "l2_prefetch": True},
+    "ranks_t4096_c8_s16_u2_sn16_l2": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                      "unroll": 2, "scatter": "ranks", "snaps": "int16",
+                                      "l2_prefetch": True},
+    "ranks_t8192_c8_s16_u2_v32_pf_sn16_l2": {"tile": 8192, "count_warps": 8,
+                                             "scatter_warps": 16, "unroll": 2,
+                                             "scatter": "ranks", "staging": "int32",
+                                             "prefetch": True, "snaps": "int16",
+                                             "l2_prefetch": True},
+    "ranks_t16384_c8_s16_u2_v32_pf_sn16_l2": {"tile": 16384, "count_warps": 8,
+                                              "scatter_warps": 16, "unroll": 2,
+                                              "scatter": "ranks", "staging": "int32",
+                                              "prefetch": True, "snaps": "int16",
+                                              "l2_prefetch": True},
 }  # fmt: skip
 
 

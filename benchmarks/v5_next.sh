@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   1. the GPU cases of session 37's `V5Config(narrow=True)` (a key at the 32-bit path's
-#      block-size limit, one past it, ids past blk * W and past 2^32, bitwise against the
-#      reference);
-#   2. `check_kernels_cuda.py` (every dispatch kernel's defaults against the reference;
-#      the ranks scatter's ordered loop now carries its load pointer);
+#   1. the GPU cases of session 37's `V5Config(l2_prefetch=True)` (each warp of the ranks
+#      scatter asks for its ids in L2 with one bulk prefetch) and `narrow=True`, bitwise
+#      against the reference;
+#   2. `check_kernels_cuda.py` (every dispatch kernel's defaults against the reference);
 #   3. the A/B at 2^26 ids (`dispatch_v5.py --no-check`; every timed call is still
-#      compared with v4's output): this card's table configs on the base commit's src
-#      tree (BASE, extracted to _ab/BASE/src by `bash benchmarks/v5_next.sh extract BASE`
-#      before the call), then the same configs and their `_nr` (narrow) twins on this
-#      tree, one after the other on the same card.
+#      compared with v4's output): this card's table configs and their `_l2` twins.
+#      (Session 37's first call timed the `_nr` twins against the base commit's tree,
+#      extracted to _ab/BASE/src by `bash benchmarks/v5_next.sh extract BASE`; with
+#      BASE set that step runs again.)
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
-#     OUT=DIR GIT_SHA=SHA BASE=SHA bash benchmarks/v5_next.sh
+#     OUT=DIR GIT_SHA=SHA [BASE=SHA] bash benchmarks/v5_next.sh
 #
 # Each step has its own time limit and prints its exit status; the script's status is 1
-# when any failed. Results land under DIR (ab_base/, ab/, *.log).
+# when any failed. Results land under DIR (ab/, ab_base/, *.log).
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = extract ]; then
   rm -rf _ab && mkdir -p "_ab/$2" && git archive "$2" src | tar -x -C "_ab/$2" && ls "_ab/$2/src"
@@ -25,7 +24,7 @@ if [ "${1:-}" = extract ]; then
 fi
 OUT=${OUT:?set OUT}
 SHA=${GIT_SHA:?set GIT_SHA (the device copy's .git is not the checkout's)}
-BASE=${BASE:?set BASE (the commit extracted to _ab/BASE/src)}
+BASE=${BASE:-}
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)}
 echo "card: ${CARD:-none}"
 fail=0
@@ -57,17 +56,17 @@ case $CARD in
     exit 1
     ;;
 esac
-NARROW=""
-for c in $CONFIGS; do NARROW="$NARROW ${c}_nr"; done
+TWINS=""
+for c in $CONFIGS; do TWINS="$TWINS ${c}_l2"; done
 mkdir -p "$OUT/ab" "$OUT/ab_base"
 step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_v5.py -k "on_gpu and narrow"
+  tests/test_kernels_v5.py -k "on_gpu and l2_prefetch"
 step 150 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py
 # shellcheck disable=SC2086  # word splitting of the lists is intended
-PYTHONPATH="_ab/$BASE/src" step 100 "$OUT/ab_base.log" python3 benchmarks/dispatch_v5.py \
-  --out "$OUT/ab_base" --git-sha "$BASE" --no-check --workloads large --worlds $WORLDS \
-  --configs $CONFIGS
+[ -z "$BASE" ] || PYTHONPATH="_ab/$BASE/src" step 100 "$OUT/ab_base.log" \
+  python3 benchmarks/dispatch_v5.py --out "$OUT/ab_base" --git-sha "$BASE" --no-check \
+  --workloads large --worlds $WORLDS --configs $CONFIGS
 # shellcheck disable=SC2086
 step 160 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
-  --no-check --workloads large --worlds $WORLDS --configs $CONFIGS $NARROW
+  --no-check --workloads large --worlds $WORLDS --configs $CONFIGS $TWINS
 exit $fail

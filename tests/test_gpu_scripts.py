@@ -62,8 +62,8 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
             missing = [n for n in names.split() if n not in known]
             assert not missing, (card, missing)
             timed.append(names.split())
-    # the base tree's configs, then the same and their narrow twins on this tree
-    assert len(timed) == 2 and set(timed[1]) == set(timed[0]) | {f"{n}_nr" for n in timed[0]}
+    # BASE set: the base tree's configs first; then this tree's, each with its twin
+    assert len(timed) == 2 and set(timed[1]) == set(timed[0]) | {f"{n}_l2" for n in timed[0]}
     k = re.search(r"-k (on_gpu[^>]*)$", steps[0])
     assert k is not None  # the -k expression selects at least one GPU case
     collected = subprocess.run(

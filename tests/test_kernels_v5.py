@@ -91,6 +91,10 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(snaps="int8"))
     with pytest.raises(ValueError, match="narrow must be True or False"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=1))
+    with pytest.raises(ValueError, match="l2_prefetch must be True or False"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_prefetch=1))
+    with pytest.raises(ValueError, match='l2_prefetch=True is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_prefetch=True))
     with pytest.raises(ValueError, match='narrow=True is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=True))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
@@ -204,6 +208,10 @@ def _run_fresh(tmp_path, code: str) -> dict:
          "narrow=True"),
         (7, 256, 4, 2, True, "int64", "ranks", "rows", "dest", "recompute", "int64",
          "narrow=True"),
+        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
+         'prefetch=True, snaps="int16", l2_prefetch=True'),
+        (7, 256, 4, 2, True, "int32", "ranks", "rows", "pos", "stored", "int64",
+         "l2_prefetch=True, narrow=True"),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -248,6 +256,8 @@ print(json.dumps({{
     "missing": [i for i in used if i not in ptx],
     # int16 snapshots: the count kernel's only 16-bit global stores
     "snaps16": ("st.global.b16" in kernels["count"].asm["ptx"]) == (cfg.snaps == "int16"),
+    # l2_prefetch: the bulk L2 prefetch, in the ranks scatter only
+    "l2": ("cp.async.bulk.prefetch.L2" in ptx) == cfg.l2_prefetch,
     # narrow, int64 ids in block mode: both kernels hold the 32-bit path (int32 -> float
     # estimates) next to the 64-bit one (int32 ids are estimated from int32 either way)
     "narrow": "{dtype}" == "int32" or {modulo} or all(
@@ -258,6 +268,7 @@ print(json.dumps({{
     )
     assert got["snaps16"]
     assert got["narrow"]
+    assert got["l2"]
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
@@ -445,6 +456,10 @@ print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fie
             1 << 44,
             'tile=16384, prefetch=True, snaps="int16"',
         ),
+        # session 37: each warp's ids prefetched into L2 by one bulk request
+        ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_prefetch=True"),
+        ("ranks", "pos", "stored", "int64", 10_000, "l2_prefetch=True"),
+        ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

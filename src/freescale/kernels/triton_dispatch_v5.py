@@ -262,6 +262,26 @@ def _warp_inclusive_scan(x):
 
 
 @gluon.jit
+def _l2_prefetch(lo_ptrs, hi_ptrs, pred):
+    """``cp.async.bulk.prefetch.L2.global`` (sm_90) of the bytes from lo_ptrs to hi_ptrs
+    (per lane, widened to 16-byte borders; nothing where `pred` is 0 or the range is
+    empty): the memory system fetches a whole range into L2 at once, with no registers or
+    shared memory waiting for it. Dummy result."""
+    lo = lo_ptrs.to(gl.int64, bitcast=True) & -16
+    hi = (hi_ptrs.to(gl.int64, bitcast=True) + 15) & -16
+    on = (pred != 0) & (hi > lo)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [lo, (hi - lo).to(gl.int32), on.to(gl.int32)],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _keep_live(buf, ptr, t, layout: gl.constexpr, CH: gl.constexpr):
     """A use of a reserved buffer at the kernel's end (a store that never runs: t >= 0),
     so that Triton's allocator keeps its bytes for the whole kernel and places no other
@@ -709,7 +729,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -756,6 +776,10 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
             d, _ = _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)
             _sh_st16(DEST + gl.where(m, loc, 0) * 2, d, m.to(gl.int32))
+    if L2PF:
+        # lane 0 of each warp: its sub-range's ids into L2 in one request
+        first = values_ptr + start + gl.minimum(w * SUB, n_t)
+        _l2_prefetch(first, values_ptr + start + gl.minimum(w * SUB + SUB, n_t), lane == 0)
     _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
@@ -877,6 +901,7 @@ def _v5_scatter_ranks_kernel(
     B2: gl.constexpr,
     B3: gl.constexpr,
     NARROW: gl.constexpr,
+    L2PF: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -898,14 +923,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True)  # fmt: skip
+                        True, L2PF)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False)  # fmt: skip
+                        False, L2PF)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                    WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False)  # fmt: skip
+                    WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
+                    L2PF)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -999,6 +1025,7 @@ class V5Config:
     prefetch: bool = False
     snaps: str = "int32"
     narrow: bool = False
+    l2_prefetch: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1120,6 +1147,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["AHEAD"] = cfg.ahead
         meta["PREFETCH"] = cfg.prefetch
         meta["NARROW"] = _narrow(cfg, modulo)
+        meta["L2PF"] = cfg.l2_prefetch
     return meta
 
 
@@ -1145,6 +1173,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"prefetch must be True or False, got {cfg.prefetch!r}")
     if not isinstance(cfg.narrow, bool):
         raise ValueError(f"narrow must be True or False, got {cfg.narrow!r}")
+    if not isinstance(cfg.l2_prefetch, bool):
+        raise ValueError(f"l2_prefetch must be True or False, got {cfg.l2_prefetch!r}")
+    if cfg.l2_prefetch and cfg.scatter != "ranks":
+        raise ValueError(f'l2_prefetch=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
