@@ -806,15 +806,12 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                             other=0).to(gl.int64)  # fmt: skip
             ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend,
                             other=0).to(gl.int64)  # fmt: skip
-        # a carried pointer: the 64-bit address math once per chunk, the index math in
-        # 32 bits
-        aptr = values_ptr + start + wloc + 32 * AHEAD
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
             ids = ids_1
-            nxt = gl.load(aptr, mask=loc + 32 * AHEAD < wend, other=0).to(gl.int64)
-            aptr += 32
+            ahead = loc + 32 * AHEAD
+            nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
             if AHEAD == 4:
                 ids_1 = ids_2
                 ids_2 = ids_3
