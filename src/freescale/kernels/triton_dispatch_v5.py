@@ -64,7 +64,14 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   per SM at W = 1024 (half the per-tile work and tables per id: 0.402 of the floor on an
   H100 against 0.341 with 4096-id tiles, `kernels_h100_15a9a81.json`). Session 36 added
   ``V5Config(snaps="int16")`` (the count kernel's counter snapshots at half the bytes) and
-  ``prefetch=True`` to the H100's table: 0.417 at W = 1024 (`kernels_h100_3d4b487.json`).
+  ``prefetch=True`` to the H100's table: 0.417 at W = 1024 (`kernels_h100_3d4b487.json`;
+  0.418 at `7024f25`, `kernels_h100_7024f25.json`). Session 37 tried two opt-in options
+  that did not move the W = 1024 default (`V5Config` has the numbers): ``narrow``
+  (32-bit owner and row arithmetic, ~15-25% fewer instructions in the loops) and
+  ``l2_prefetch`` (each warp's ids requested into L2 in one bulk prefetch). The kernel is
+  bound neither by its instruction count nor by the latency of its id loads alone.
+  The ranks kernel's body is `_ranks_tile`, called once per program with the tile's
+  arithmetic path.
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -1006,6 +1013,21 @@ class V5Config:
         1.541 ms at W = 1024, 2.364 against 2.418 at W = 2048 (8192-id tiles), 0.966
         against 0.968 at W = 64; never slower. The H100 table uses it at every W; the H200
         table not yet (not timed there).
+    narrow: with ``scatter="ranks"``, block mode: a tile whose key passes `narrow_ok`
+        (block size x (W + 1) < 2^31, every table below ~2M rows per shard at W = 1024)
+        maps ids to dests and local rows in 32-bit arithmetic (`owner_local_narrow`),
+        chosen per tile and per count piece by one uniform branch. Static SASS (sm_90, the
+        H100 default at W = 1024): ordered loop 69 -> 58 instructions per 32 ids,
+        placement 148 -> 129 per 64, count loop 78 -> 61. Time on one H100 at 2^26 ids
+        (`dispatch_v5_narrow_h100_4e08fad.json`): W = 1024 1.503 against 1.498 ms with
+        8192-id tiles (the default), 1.540 against 1.577 with 16384-id tiles; W = 2048
+        1.865 against 1.907 (16384, the default there). The scatter is not bound by its
+        instruction count; opt-in.
+    l2_prefetch: with ``scatter="ranks"``, lane 0 of each warp first asks for its
+        sub-range's ids in L2 with one ``cp.async.bulk.prefetch`` (aimed at the ordered
+        loop's waits on global id loads). On one H100 (`dispatch_v5_l2_h100_b7659d4.json`):
+        W = 1024 1.599 against 1.511 ms with 8192-id tiles (slower), W = 2048 2.051
+        against 2.322 with 8192-id tiles and 1.885 against 1.918 with 16384; opt-in.
     """
 
     tile: int = 4096
