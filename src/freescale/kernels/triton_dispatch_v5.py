@@ -69,7 +69,9 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   that did not move the W = 1024 default (`V5Config` has the numbers): ``narrow``
   (32-bit owner and row arithmetic, ~15-25% fewer instructions in the loops) and
   ``l2_prefetch`` (each warp's ids requested into L2 in one bulk prefetch). The kernel is
-  bound neither by its instruction count nor by the latency of its id loads alone.
+  bound neither by its instruction count nor by the latency of its id loads alone. The
+  PTX accesses add their offsets to one ``global_smem`` base per kernel (`_sh_addr`;
+  before, ptxas re-derived it from the CTA id in every loop iteration).
   The ranks kernel's body is `_ranks_tile`, called once per program with the tile's
   arithmetic path.
 
