@@ -408,21 +408,29 @@ print(json.dumps({
     assert "some op needs scratch" in got["scratch"]
 
 
-_GPU_CASE = """
+# each GPU case runs in a fresh process: compile v5, run one call, print per output
+# field whether it equals the reference
+_GPU_HEAD = """
 import json
 import torch
 from freescale.kernels import reference, triton_dispatch_v5 as v5
 world, cfg = {world}, v5.V5Config(**{cfg})
-g = torch.Generator(device="cuda").manual_seed(world)
-lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
-n = int(lengths.sum())
-vals = torch.randint(0, {rows}, (n,), device="cuda", generator=g)
-blocks = torch.full((3,), -(-{rows} // world), device="cuda")
-ref = reference.ranged_dispatch(vals, lengths, blocks, world)
+"""
+_GPU_TAIL = """ref = reference.ranged_dispatch(vals, lengths, blocks, world)
 got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=cfg)
 fields = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
 print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fields}}))
 """
+_GPU_CASE = (
+    _GPU_HEAD
+    + """g = torch.Generator(device="cuda").manual_seed(world)
+lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
+n = int(lengths.sum())
+vals = torch.randint(0, {rows}, (n,), device="cuda", generator=g)
+blocks = torch.full((3,), -(-{rows} // world), device="cuda")
+"""
+    + _GPU_TAIL
+)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
@@ -487,12 +495,9 @@ def test_v5_equals_reference_on_gpu(
     assert all(got.values()), got
 
 
-_GPU_NARROW_CASE = """
-import json
-import torch
-from freescale.kernels import reference, triton_dispatch_v5 as v5
-world, cfg = {world}, v5.V5Config(**{cfg})
-g = torch.Generator(device="cuda").manual_seed(world + 1)
+_GPU_NARROW_CASE = (
+    _GPU_HEAD
+    + """g = torch.Generator(device="cuda").manual_seed(world + 1)
 # key 0: block size at narrow_ok's limit; key 1: 2^40 (the 64-bit path); key 2: small
 # blocks with ids past blk * W and ids past 2^32 whose low word lies in range
 blocks = torch.tensor([(2**31 - 1) // (world + 1), 1 << 40, 977], device="cuda")
@@ -507,11 +512,9 @@ for k, count in enumerate(per_key):
     high = (torch.randint(1, 256, (count,), device="cuda", generator=g) << 32) + ids
     parts.append(torch.where(pick == 0, past, torch.where(pick == 1, high, ids)))
 vals = torch.cat(parts)
-ref = reference.ranged_dispatch(vals, lengths, blocks, world)
-got = v5.ranged_dispatch_v5(vals, lengths, blocks, world, config=cfg)
-fields = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
-print(json.dumps({{f: torch.equal(getattr(ref, f), getattr(got, f)) for f in fields}}))
 """
+    + _GPU_TAIL
+)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
