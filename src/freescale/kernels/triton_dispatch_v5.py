@@ -723,10 +723,7 @@ def _v5_scatter_kernel(
         dc = gl.where(m, d, 0)
         slot, sync = _warp_rank(d, m, w, below, above, WC, WROW)
         slotc = gl.where(m, slot, 0) + sync
-        if MODULO:
-            local = udiv(ids, WORLD)
-        else:
-            local = gl.where(ids < blk * WORLD, ids - dc.to(gl.int64) * blk, udiv(ids, WORLD))
+        local = _local_of(ids, dc, blk, WORLD, MODULO)
         _sh_st64(VAL + slotc * 8, local, mi)
         shift = _sh_ld64(SHIFT + dc * 8)
         if POS:
