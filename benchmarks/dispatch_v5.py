@@ -232,6 +232,13 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                               "prefetch": True, "snaps": "int16",
                                               "l2_prefetch": True},
 }  # fmt: skip
+# session 39: each warp asks for its sub-range of the tile n tiles ahead in L2 (`l2_ahead`),
+# about a wave before that tile's program reads it; n around the resident programs (an
+# H100 holds 2 x 132 of the 8192-id config)
+for _base in ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",
+              "ranks_t16384_c8_s16_u2_v32_pf_sn16"):  # fmt: skip
+    for _n in (66, 132, 264, 528):
+        CONFIGS[f"{_base}_la{_n}"] = {**CONFIGS[_base], "l2_ahead": _n}
 
 
 def _diff(a, b) -> list[str]:

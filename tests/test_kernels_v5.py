@@ -95,6 +95,11 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_prefetch=1))
     with pytest.raises(ValueError, match='l2_prefetch=True is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_prefetch=True))
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="l2_ahead must be an int >= 0"):
+            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_ahead=bad))
+    with pytest.raises(ValueError, match='l2_ahead > 0 is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_ahead=264))
     with pytest.raises(ValueError, match='narrow=True is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=True))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
@@ -212,6 +217,8 @@ def _run_fresh(tmp_path, code: str) -> dict:
          'prefetch=True, snaps="int16", l2_prefetch=True'),
         (7, 256, 4, 2, True, "int32", "ranks", "rows", "pos", "stored", "int64",
          "l2_prefetch=True, narrow=True"),
+        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
+         'prefetch=True, snaps="int16", l2_ahead=264'),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -256,8 +263,8 @@ print(json.dumps({{
     "missing": [i for i in used if i not in ptx],
     # int16 snapshots: the count kernel's only 16-bit global stores
     "snaps16": ("st.global.b16" in kernels["count"].asm["ptx"]) == (cfg.snaps == "int16"),
-    # l2_prefetch: the bulk L2 prefetch, in the ranks scatter only
-    "l2": ("cp.async.bulk.prefetch.L2" in ptx) == cfg.l2_prefetch,
+    # l2_prefetch / l2_ahead: the bulk L2 prefetch, in the ranks scatter only
+    "l2": ("cp.async.bulk.prefetch.L2" in ptx) == (cfg.l2_prefetch or cfg.l2_ahead > 0),
     # narrow, int64 ids in block mode: both kernels hold the 32-bit path (int32 -> float
     # estimates) next to the 64-bit one (int32 ids are estimated from int32 either way)
     "narrow": "{dtype}" == "int32" or {modulo} or all(
@@ -468,6 +475,8 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_prefetch=True"),
         ("ranks", "pos", "stored", "int64", 10_000, "l2_prefetch=True"),
         ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
+        # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
+        ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

@@ -415,6 +415,24 @@ def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
 
 
 @gluon.jit
+def _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t2, TILE: gl.constexpr,
+                       NW: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Lane 0 of each of the NW warps asks for its sub-range (TILE // NW ids) of tile t2
+    in L2 with one bulk prefetch, so that the program running t2 about a wave later
+    finds its ids there (the last tile stands in for t2 past the grid). Moves no data
+    into registers or shared memory; a hint only."""
+    SUB: gl.constexpr = TILE // NW
+    e = gl.arange(0, NW * 32, layout=layout)
+    w = (e // 32).to(gl.int64)
+    tq = gl.minimum(t2, gl.num_programs(0).to(gl.int64) - 1)
+    s2 = gl.load(tile_start_ptr + tq).to(gl.int64)
+    n2 = gl.load(tile_end_ptr + tq).to(gl.int64) - s2
+    lo = values_ptr + s2 + gl.minimum(w * SUB, n2)
+    hi = values_ptr + s2 + gl.minimum(w * SUB + SUB, n2)
+    _l2_prefetch(lo, hi, (e % 32 == 0).to(gl.int32))
+
+
+@gluon.jit
 def _lane_masks(lane):
     """Per lane, the bits of the lanes before it and of the lanes after it."""
     one = gl.full(lane.shape, 1, gl.int32, lane.type.layout)
@@ -918,12 +936,15 @@ def _v5_scatter_ranks_kernel(
     B3: gl.constexpr,
     NARROW: gl.constexpr,
     L2PF: gl.constexpr,
+    L2AH: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
     passes `narrow_ok` (block size x (W + 1) < 2^31) maps ids to dests and local rows in
     32-bit arithmetic (`owner_local_narrow`); one uniform branch per tile picks the body,
-    both compiled, so another tile of the same call takes the 64-bit path."""
+    both compiled, so another tile of the same call takes the 64-bit path.
+    L2AH > 0 (``V5Config(l2_ahead=...)``): first, lane 0 of each warp asks for its
+    sub-range of tile t + L2AH in L2 (`_l2_prefetch_ahead`)."""
     CH: gl.constexpr = NW * 32
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
@@ -935,6 +956,9 @@ def _v5_scatter_ranks_kernel(
         buf3 = _reserve(B3)
     t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
                                            block_sizes_ptr)  # fmt: skip
+    if L2AH > 0:
+        _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
+                           layout)  # fmt: skip
     if NARROW:
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
@@ -1040,6 +1064,11 @@ class V5Config:
         loop's waits on global id loads). On one H100 (`dispatch_v5_l2_h100_b7659d4.json`):
         W = 1024 1.599 against 1.511 ms with 8192-id tiles (slower), W = 2048 2.051
         against 2.322 with 8192-id tiles and 1.885 against 1.918 with 16384; opt-in.
+    l2_ahead: with ``scatter="ranks"``, n > 0: lane 0 of each warp of the program of tile
+        t first asks for its sub-range of tile t + n in L2 (one bulk prefetch), about a
+        wave ahead of that tile's program (an H100 holds 2 x 132 programs of the 8192-id
+        config), instead of `l2_prefetch`'s own sub-range just before it is read. 0 (the
+        default): off. Session 39, not yet timed when written.
     """
 
     tile: int = 4096
@@ -1057,6 +1086,7 @@ class V5Config:
     snaps: str = "int32"
     narrow: bool = False
     l2_prefetch: bool = False
+    l2_ahead: int = 0
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1179,6 +1209,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["PREFETCH"] = cfg.prefetch
         meta["NARROW"] = _narrow(cfg, modulo)
         meta["L2PF"] = cfg.l2_prefetch
+        meta["L2AH"] = cfg.l2_ahead
     return meta
 
 
@@ -1208,6 +1239,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"l2_prefetch must be True or False, got {cfg.l2_prefetch!r}")
     if cfg.l2_prefetch and cfg.scatter != "ranks":
         raise ValueError(f'l2_prefetch=True is an option of scatter="ranks", got {cfg.scatter!r}')
+    if not isinstance(cfg.l2_ahead, int) or isinstance(cfg.l2_ahead, bool) or cfg.l2_ahead < 0:
+        raise ValueError(f"l2_ahead must be an int >= 0 (tiles ahead), got {cfg.l2_ahead!r}")
+    if cfg.l2_ahead and cfg.scatter != "ranks":
+        raise ValueError(f'l2_ahead > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
