@@ -175,6 +175,7 @@ def _cli(*extra: str) -> list[str]:
     return [sys.executable, "-m", "freescale.cli", "train", "--nproc", "2", *TINY, *extra]
 
 
+@pytest.mark.alone  # timed against the wall clock: tools/test.sh runs it by itself
 @pytest.mark.parametrize("data_thread", ["off", "on"])  # on: the GPU default
 def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     timeout = 15
@@ -201,6 +202,7 @@ def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     assert killed or (lost and "rank 1 did not arrive" in last and "dead" in last), last
 
 
+@pytest.mark.alone  # timed against the wall clock: tools/test.sh runs it by itself
 @pytest.mark.parametrize("data_thread", ["off", "on"])
 def test_hung_rank_times_out_with_names(tmp_path, data_thread):
     timeout = 6
