@@ -11,13 +11,14 @@
 # clock: a killed or hung rank must end the job in time) run after both, by themselves.
 # Each group prints its own summary; the exit status is 1 when any group failed.
 #
-# With arguments (or FREESCALE_TEST_SPLIT=0, or one core): one plain pytest run, the
+# With arguments (or FREESCALE_TEST_SPLIT=0, or one core; `nproc` without the
+# OMP_NUM_THREADS it honours, which is 1 here): one plain pytest run, the
 # arguments passed to it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 PYTEST=(python3 -m pytest -q -p no:cacheprovider)
-if [ "$#" -gt 0 ] || [ "${FREESCALE_TEST_SPLIT:-1}" = 0 ] || [ "$(nproc)" -lt 2 ]; then
+if [ "$#" -gt 0 ] || [ "${FREESCALE_TEST_SPLIT:-1}" = 0 ] || [ "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" -lt 2 ]; then
   exec "${PYTEST[@]}" --durations=15 "$@"
 fi
 SINGLE=(tests/test_kernels.py tests/test_kernels_v4.py tests/test_kernels_v5.py
