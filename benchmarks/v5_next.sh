@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   both: the GPU cases of `l2_prefetch` (session 37; one of them with `narrow`) and of
-#         the H100 default's option set (the shared-memory base changed at 582a98f), then `check_kernels_cuda.py --only auto` (v5's defaults against the
-#         reference).
-#   H200: the A/B at 2^26 ids of the H200 table's configs against the H100's
+#   H200: the GPU cases of `l2_prefetch` (session 37; one of them with `narrow`) and of
+#         the H100 default's option set (the shared-memory base changed at 582a98f), then
+#         `check_kernels_cuda.py --only auto` (v5's defaults against the reference); then
+#         the A/B at 2^26 ids of the H200 table's configs against the H100's
 #         (`dispatch_v5.py --no-check`, W = 8 .. 2048; every timed call is still compared
 #         with v4's output), then `kernels.py` with FREESCALE_V5_TABLE=H100: the H200
 #         figure with the H100 table, to commit as `kernels.json` if the A/B adopts that
 #         table whole (BENCHMARKS.md "Ready to run"). No H200 came in sessions 35-37.
-#   H100: `kernels.py` at this commit (the H100 figure `kernels_h100_7024f25.json`
-#         predates the shared-base change).
+#   H100: the GPU case of `l2_ahead` (session 39), then the A/B at 2^26 ids of
+#         `V5Config(l2_ahead=n)`, n = 66 .. 528, against its bases (the H100 table's 4096-,
+#         8192- and 16384-id configs), W = 256 .. 2048. (`kernels.py` at the shared-base
+#         change ran in session 39: `kernels_h100_e6733cb.json`.)
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
@@ -53,9 +55,13 @@ case $CARD in
     ;;
 esac
 mkdir -p "$OUT/ab" "$OUT/k"
-step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_v5.py -k "on_gpu and (l2_prefetch or (16384 and prefetch))"
-step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
+case $CARD in
+  *H200*)
+    step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernels_v5.py -k "on_gpu and (l2_prefetch or (16384 and prefetch))"
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
+    ;;
+esac
 case $CARD in
   *H200*)
     step 120 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
@@ -66,7 +72,15 @@ case $CARD in
       python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
   *H100*)
-    step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
+    step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernels_v5.py -k "on_gpu and l2_ahead"
+    configs=()
+    for b in ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 \
+      ranks_t16384_c8_s16_u2_v32_pf_sn16; do
+      configs+=("$b" "${b}_la66" "${b}_la132" "${b}_la264" "${b}_la528")
+    done
+    step 400 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+      --no-check --workloads large --worlds 256 512 1024 2048 --configs "${configs[@]}"
     ;;
 esac
 exit $fail
