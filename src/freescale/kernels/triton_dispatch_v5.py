@@ -1068,7 +1068,11 @@ class V5Config:
         t first asks for its sub-range of tile t + n in L2 (one bulk prefetch), about a
         wave ahead of that tile's program (an H100 holds 2 x 132 programs of the 8192-id
         config), instead of `l2_prefetch`'s own sub-range just before it is read. 0 (the
-        default): off. Session 39, not yet timed when written.
+        default): off. On one H100 (`dispatch_v5_l2ahead_h100_a19edf1.json`, n = 66 ..
+        528): slower on the table's configs at every W (W = 1024, 8192-id tiles: 1.63-1.66
+        against 1.50 ms); faster only on configs the table does not use there (W = 2048,
+        8192-id tiles, n = 66: 2.10 against 2.32 ms; the default's 16384-id tiles: 1.92);
+        opt-in.
     """
 
     tile: int = 4096
