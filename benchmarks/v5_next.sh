@@ -9,10 +9,13 @@
 #         with v4's output), then `kernels.py` with FREESCALE_V5_TABLE=H100: the H200
 #         figure with the H100 table, to commit as `kernels.json` if the A/B adopts that
 #         table whole (BENCHMARKS.md "Ready to run"). No H200 came in sessions 35-37.
-#   H100: the GPU case of `l2_ahead` (session 39), then the A/B at 2^26 ids of
-#         `V5Config(l2_ahead=n)`, n = 66 .. 528, against its bases (the H100 table's 4096-,
-#         8192- and 16384-id configs), W = 256 .. 2048. (`kernels.py` at the shared-base
-#         change ran in session 39: `kernels_h100_e6733cb.json`.)
+#   H100: the GPU cases of `diag_skip` (session 40), then the timing diagnostic at 2^26
+#         ids: the H100 table's 4096-, 8192- and 16384-id configs without their
+#         write-out (`_nowo`), without their perm stores (`_noperm`) and without both
+#         (`_nostore`), W = 256, 1024, 2048 (W = 1024 split into kernels by the profiler):
+#         what the rest of the scatter costs, i.e. what overlapping the write-out with the
+#         next tile's ranking could save at most. (Session 40 ran the `l2_ahead` A/B here:
+#         `dispatch_v5_l2ahead_h100_a19edf1.json`.)
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
@@ -72,15 +75,15 @@ case $CARD in
       python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
   *H100*)
-    step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernels_v5.py -k "on_gpu and l2_ahead"
+    step 150 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernels_v5.py -k "on_gpu and diag_skip"
     configs=()
     for b in ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 \
       ranks_t16384_c8_s16_u2_v32_pf_sn16; do
-      configs+=("$b" "${b}_la66" "${b}_la132" "${b}_la264" "${b}_la528")
+      configs+=("$b" "${b}_nowo" "${b}_noperm" "${b}_nostore")
     done
-    step 400 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
-      --no-check --workloads large --worlds 256 512 1024 2048 --configs "${configs[@]}"
+    step 300 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+      --no-check --workloads large --worlds 256 1024 2048 --configs "${configs[@]}"
     ;;
 esac
 exit $fail

@@ -64,8 +64,9 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     if "H200" in card:  # v5's defaults checked, then the figure
         assert "check_kernels_cuda.py" in steps[1]
         assert any("benchmarks/kernels.py" in s for s in steps)
-    else:  # the H100 figure at the shared-base change ran (session 39): the l2_ahead A/B
-        assert "dispatch_v5.py" in steps[1] and "_la66" in steps[1], steps
+    else:  # the H100 figure at the shared-base change ran (session 39): session 40's
+        # timing diagnostic (the l2_ahead A/B before it)
+        assert "dispatch_v5.py" in steps[1] and "_nowo" in steps[1], steps
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|ncu-config) ([\w ]+?)(?: --|$)", step):

@@ -102,6 +102,11 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_ahead=264))
     with pytest.raises(ValueError, match='narrow=True is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=True))
+    for bad in (-1, 4, True):
+        with pytest.raises(ValueError, match="diag_skip must be 0, 1, 2 or 3"):
+            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(diag_skip=bad))
+    with pytest.raises(ValueError, match='diag_skip > 0 is an option of scatter="ranks"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(diag_skip=1))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -319,6 +324,31 @@ print(json.dumps(out))
 
 
 @needs_ptxas
+def test_diag_skip_removes_exactly_its_stores(tmp_path) -> None:
+    """``V5Config(diag_skip=...)`` (timing diagnostics): 1 drops the write-out's global
+    stores, 2 the perm stores, 3 both; 0 compiles the same scatter as a config without
+    the field (the default path is untouched)."""
+    got = _run_fresh(
+        tmp_path,
+        """
+import json
+from freescale.kernels import triton_dispatch_v5 as v5
+base = dict(tile=8192, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks",
+            staging="int32", prefetch=True, snaps="int16")
+ptx = {k: v5.compile_v5(1024, v5.V5Config(**base, diag_skip=k))["scatter"].asm["ptx"]
+       for k in (0, 1, 2, 3)}
+plain = v5.compile_v5(1024, v5.V5Config(**base))["scatter"].asm["ptx"]
+print(json.dumps({"stores": {k: p.count("st.global") for k, p in ptx.items()},
+                  "same": ptx[0] == plain}))
+""",
+    )
+    n = {int(k): v for k, v in got["stores"].items()}
+    assert got["same"]
+    assert n[3] < n[1] < n[0] and n[3] < n[2] < n[0], n
+    assert n[0] - n[1] == n[2] - n[3] and n[0] - n[2] == n[1] - n[3], n  # independent
+
+
+@needs_ptxas
 def test_table_kernels_compile_for_sm90(tmp_path) -> None:
     """v4's and v5's table launches (`triton_dispatch_v4.launch_tables`) compile for sm_90:
     the many-program segment offsets in both prefix modes (the prefixed one, used past
@@ -502,6 +532,21 @@ def test_v5_equals_reference_on_gpu(
     }
     got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg, rows=rows))
     assert all(got.values()), got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
+@pytest.mark.parametrize("skip", [1, 2, 3])
+@pytest.mark.parametrize("world", [8, 1024])
+def test_v5_diag_skip_keeps_the_rest_on_gpu(tmp_path, world: int, skip: int) -> None:
+    """A timing diagnostic skips only its own stores: with 1 every field but the values
+    still equals the reference, with 2 every field but the permutation, with 3 neither."""
+    cfg = {"tile": 8192, "scatter_warps": 16, "unroll": 2, "scatter": "ranks",
+           "staging": "int32", "prefetch": True, "snaps": "int16", "diag_skip": skip}  # fmt: skip
+    got = _run_fresh(tmp_path, _GPU_CASE.format(world=world, cfg=cfg, rows=1 << 44))
+    skipped = ({"values"} if skip % 2 else set()) | (
+        {"unbucketize_permute"} if skip // 2 else set()
+    )
+    assert all(ok for f, ok in got.items() if f not in skipped), (skipped, got)
 
 
 _GPU_NARROW_CASE = (

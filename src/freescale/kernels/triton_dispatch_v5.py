@@ -766,7 +766,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -784,7 +784,9 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     mapping ids (its ordered loop waited on each id's global load: Nsight Compute put
     15% of the kernel's stall samples on that wait at W = 1024 on an H100, session 34),
     and r2 reads the dest instead of mapping the id again.
-    NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`)."""
+    NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
+    SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
+    stores in r2. 0 compiles the full kernel."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -904,10 +906,12 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             _sh_st32(DSLOT + slot * 4, (shift + slot.to(gl.int64)).to(gl.int32), mi)
         else:
             _sh_st16(DSLOT + slot * 2, d, mi)
-        gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
+        if SKIP // 2 % 2 == 0:
+            gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
     # (d) write the staged tile out in slot order, CH consecutive slots per store
-    _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
+    if SKIP % 2 == 0:
+        _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
 
 
 @gluon.jit
@@ -937,6 +941,7 @@ def _v5_scatter_ranks_kernel(
     NARROW: gl.constexpr,
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
+    SKIP: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -963,15 +968,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF)  # fmt: skip
+                        True, L2PF, SKIP)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF)  # fmt: skip
+                        False, L2PF, SKIP)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF)  # fmt: skip
+                    L2PF, SKIP)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1073,6 +1078,12 @@ class V5Config:
         against 1.50 ms); faster only on configs the table does not use there (W = 2048,
         8192-id tiles, n = 66: 2.10 against 2.32 ms; the default's 16384-id tiles: 1.92);
         opt-in.
+    diag_skip: **timing diagnostics only; the call's output is incomplete.** With
+        ``scatter="ranks"``: 1 skips the write-out of the staged values (step d), 2 the
+        perm stores of step r2, 3 both, so that `benchmarks/dispatch_v5.py` can time what
+        the rest of the scatter costs (how much a write-out overlapped with the next
+        tile's ranking could save). 0 (the default) compiles the full kernel. Never set
+        by `default_config_v5`.
     """
 
     tile: int = 4096
@@ -1091,6 +1102,7 @@ class V5Config:
     narrow: bool = False
     l2_prefetch: bool = False
     l2_ahead: int = 0
+    diag_skip: int = 0
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1214,6 +1226,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["NARROW"] = _narrow(cfg, modulo)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
+        meta["SKIP"] = cfg.diag_skip
     return meta
 
 
@@ -1247,6 +1260,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"l2_ahead must be an int >= 0 (tiles ahead), got {cfg.l2_ahead!r}")
     if cfg.l2_ahead and cfg.scatter != "ranks":
         raise ValueError(f'l2_ahead > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
+    if cfg.diag_skip not in (0, 1, 2, 3) or isinstance(cfg.diag_skip, bool):
+        raise ValueError(f"diag_skip must be 0, 1, 2 or 3, got {cfg.diag_skip!r}")
+    if cfg.diag_skip and cfg.scatter != "ranks":
+        raise ValueError(f'diag_skip > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
