@@ -17,7 +17,8 @@
 # the leak (freescale.testing.DistPool) and measured again in clean-clone CI runs: the
 # tests took 916 s split (group M 594 s beside group S 846 s, then 60 s alone; the whole
 # of .ci/run 15.6 min), 1,124 s in one pytest with the fix, 1,815 s in one pytest before
-# it. Since then test_kernels_v5.py (~100 s alone) runs in group M, to even the groups.
+# it. Then test_kernels_v5.py (~100 s alone) moved to group M: 817 s (M 727 s beside S
+# 745 s, then 61 s alone; the whole of .ci/run 13.9 min).
 #
 # With arguments (or FREESCALE_TEST_SPLIT=0, or one core; `nproc` without the
 # OMP_NUM_THREADS it honours, which is 1 here): one plain pytest run, the
