@@ -14,8 +14,9 @@
 #         write-out (`_nowo`), without their perm stores (`_noperm`) and without both
 #         (`_nostore`), W = 256, 1024, 2048 (W = 1024 split into kernels by the profiler):
 #         what the rest of the scatter costs, i.e. what overlapping the write-out with the
-#         next tile's ranking could save at most. (Session 40 ran the `l2_ahead` A/B here:
-#         `dispatch_v5_l2ahead_h100_a19edf1.json`.)
+#         next tile's ranking could save at most. Session 40 ran it
+#         (`dispatch_v5_diagskip_h100_b96ca4f.json`) after the `l2_ahead` A/B
+#         (`dispatch_v5_l2ahead_h100_a19edf1.json`); the next H100 step is new work.
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
