@@ -232,18 +232,19 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                               "prefetch": True, "snaps": "int16",
                                               "l2_prefetch": True},
 }  # fmt: skip
+# the H100 table's configs (4096-id tiles below W = 512, 8192 from 512, 16384 at 2048)
+H100_BASES = ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",
+              "ranks_t16384_c8_s16_u2_v32_pf_sn16")  # fmt: skip
 # session 39: each warp asks for its sub-range of the tile n tiles ahead in L2 (`l2_ahead`),
 # about a wave before that tile's program reads it; n around the resident programs (an
 # H100 holds 2 x 132 of the 8192-id config)
-for _base in ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",
-              "ranks_t16384_c8_s16_u2_v32_pf_sn16"):  # fmt: skip
+for _base in H100_BASES:
     for _n in (66, 132, 264, 528):
         CONFIGS[f"{_base}_la{_n}"] = {**CONFIGS[_base], "l2_ahead": _n}
 # session 40, timing diagnostics (`V5Config(diag_skip=...)`; rows marked "diagnostic", not
 # compared with v4, never a headline's best): the same scatter without its write-out
 # (_nowo), without its perm stores (_noperm), without both (_nostore)
-for _base in ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",
-              "ranks_t16384_c8_s16_u2_v32_pf_sn16"):  # fmt: skip
+for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
 

@@ -64,10 +64,6 @@ case $CARD in
     step 120 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernels_v5.py -k "on_gpu and (l2_prefetch or (16384 and prefetch))"
     step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
-    ;;
-esac
-case $CARD in
-  *H200*)
     step 120 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
       --no-check --workloads large --worlds 8 64 256 512 1024 2048 --configs \
       v5_t2048_w4_u4 ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2 ranks_t4096_c8_s16_u2_sn16 \

@@ -18,10 +18,11 @@ def _make_groups(rank: int, world: int, n: int) -> tuple[int, int]:
         dist.all_reduce(torch.ones(1), group=g)
     if rank < 2:
         dist.all_reduce(torch.ones(1), group=pair)
-    return len(_groups() or ()), len(os.listdir("/proc/self/task"))
+    return _census(rank, world)
 
 
 def _census(rank: int, world: int) -> tuple[int, int]:
+    """(process groups this rank knows, its threads)."""
     return len(_groups() or ()), len(os.listdir("/proc/self/task"))
 
 

@@ -25,18 +25,26 @@ def test_shell_scripts_parse(script: Path) -> None:
 
 def _dispatch_v5_configs() -> set[str]:
     """The names in `benchmarks/dispatch_v5.py`'s CONFIGS, read without importing it (its
-    import needs Triton's Gluon, which the plan check does not): the literal assignment
-    and the top-level loops that add variants of it (e.g. session 39's `_la<n>`), run on
-    their own."""
+    import needs Triton's Gluon, which the plan check does not): the module's literal
+    assignments (CONFIGS, the base names) and the top-level loops that add variants to
+    CONFIGS (e.g. session 39's `_la<n>`), run on their own."""
     tree = ast.parse((ROOT / "benchmarks" / "dispatch_v5.py").read_text())
+
+    def literal(node: ast.AST) -> bool:
+        try:
+            ast.literal_eval(node)
+        except ValueError:
+            return False
+        return True
+
     keep = [
         node
         for node in tree.body
-        if (isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "CONFIGS" for t in node.targets))
+        if (isinstance(node, ast.Assign) and literal(node.value))
         or (isinstance(node, ast.For) and "CONFIGS[" in ast.unparse(node))
-    ]  # fmt: skip
-    if not keep or not isinstance(keep[0], ast.Assign):
+    ]
+    if not any(isinstance(n, ast.Assign) and "CONFIGS" in ast.unparse(n.targets[0])
+               for n in keep):  # fmt: skip
         raise AssertionError("no CONFIGS in dispatch_v5.py")
     ns: dict = {}
     exec(compile(ast.Module(body=keep, type_ignores=[]), "dispatch_v5.py", "exec"), ns)
