@@ -51,10 +51,10 @@ def _dispatch_v5_configs() -> set[str]:
     return set(ns["CONFIGS"])
 
 
-def _plan(tmp_path: Path, card: str) -> subprocess.CompletedProcess:
+def _plan(tmp_path: Path, card: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DRY": "1", "CARD": card, "OUT": str(tmp_path), "GIT_SHA": "0" * 40}
     return subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "v5_next.sh")],
+        ["bash", str(ROOT / "benchmarks" / "v5_next.sh"), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -69,12 +69,11 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     assert "-m pytest" in steps[0]  # the GPU cases come first on every card
-    if "H200" in card:  # v5's defaults checked, then the figure
+    if "H200" in card:  # v5's defaults checked before the A/B
         assert "check_kernels_cuda.py" in steps[1]
-        assert any("benchmarks/kernels.py" in s for s in steps)
-    else:  # the H100 figure at the shared-base change ran (session 39): session 40's
-        # timing diagnostic (the l2_ahead A/B before it)
-        assert "dispatch_v5.py" in steps[1] and "_nowo" in steps[1], steps
+    # session 41: every config with and without ballots, last
+    assert "dispatch_v5.py" in steps[-1] and "_bal" in steps[-1], steps
+    assert "-k on_gpu and" in steps[0] and "ballot" in steps[0], steps
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|ncu-config) ([\w ]+?)(?: --|$)", step):
@@ -94,6 +93,14 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     )  # fmt: skip
     assert re.search(r"\b[1-9]\d* tests? collected|[1-9]\d*/\d+ tests collected",
                      collected.stdout), collected.stdout[-2000:]  # fmt: skip
+
+
+def test_v5_next_figure_runs_kernels_py_alone(tmp_path: Path) -> None:
+    """``v5_next.sh figure``: the second call, once the A/B has picked the table."""
+    done = _plan(tmp_path, "NVIDIA H200", "figure")
+    assert done.returncode == 0, done.stderr
+    steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
+    assert len(steps) == 1 and "benchmarks/kernels.py" in steps[0], steps
 
 
 def test_v5_next_refuses_without_a_known_card(tmp_path: Path) -> None:

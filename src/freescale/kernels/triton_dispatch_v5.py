@@ -265,6 +265,33 @@ def _match_any(x):
 
 
 @gluon.jit
+def _ballot_bit(x, bit):
+    """The lanes of the warp whose int32 x agrees with this lane's x on the bits of `bit`
+    (a one-bit int32): vote.ballot of (x & bit) != 0, inverted where this lane's bit is 0."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; and.b32 t, $1, $2; setp.ne.u32 p, t, 0; "
+        "vote.sync.ballot.b32 $0, p, -1; @!p not.b32 $0, $0; }",
+        "=r,r,r",
+        [x, bit],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _ballot_peers(x, BITS: gl.constexpr):
+    """`_match_any` of an x whose values differ only in their low BITS bits, by one
+    ballot per bit (``V5Config(peers="ballot")``; CUB's ``MatchAny`` does the same: its
+    comment says match.any.sync is slower when a few bits are matched). The callers'
+    -1 for a lane without an id differs from every dest < 2^(BITS - 1) in bit BITS - 1."""
+    peers = _ballot_bit(x, x * 0 + 1)
+    for b in gl.static_range(1, BITS):
+        peers = peers & _ballot_bit(x, x * 0 + (1 << b))
+    return peers
+
+
+@gluon.jit
 def _warp_inclusive_scan(x):
     """Inclusive prefix sum of int32 x over the lanes of each warp (PTX shfl.sync.up;
     element i of a warp's 32 must live in lane i)."""
@@ -441,13 +468,18 @@ def _lane_masks(lane):
 
 
 @gluon.jit
-def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr):
+def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr,
+               PBITS: gl.constexpr):  # fmt: skip
     """One step of a warp's ordered loop over 32 ids (d: each lane's dest, -1 where not
     m): the lane's rank among the warp's ids of its dest so far (the warp's counter
-    WC[w][d] plus its earlier same-dest lanes, by match.any), and the counter advanced by
-    the dest's last lane. Returns (rank, sync): sync is a dummy 0 that, added to the next
-    shared address, keeps the next access after the warp's counter update."""
-    peers = _match_any(d)
+    WC[w][d] plus its earlier same-dest lanes, by match.any, or with PBITS > 0 by PBITS
+    ballots, `_ballot_peers`), and the counter advanced by the dest's last lane. Returns
+    (rank, sync): sync is a dummy 0 that, added to the next shared address, keeps the
+    next access after the warp's counter update."""
+    if PBITS > 0:
+        peers = _ballot_peers(d, PBITS)
+    else:
+        peers = _match_any(d)
     earlier = _popc(peers & below)
     last = (peers & above) == 0
     a = WC + (w * WROW + gl.where(m, d, 0)) * 2
@@ -659,6 +691,7 @@ def _v5_scatter_kernel(
     B1: gl.constexpr,
     B2: gl.constexpr,
     B3: gl.constexpr,
+    PBITS: gl.constexpr,
 ):
     """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
     reserved buffer): VAL [TILE] int64 staging; SHIFT [W] int64 (et[t, d] minus the
@@ -739,7 +772,7 @@ def _v5_scatter_kernel(
         locc = gl.where(m, loc, 0)
         d = gl.where(m, _sh_ld16(DIN + locc * 2), -1)
         dc = gl.where(m, d, 0)
-        slot, sync = _warp_rank(d, m, w, below, above, WC, WROW)
+        slot, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
         slotc = gl.where(m, slot, 0) + sync
         local = _local_of(ids, dc, blk, WORLD, MODULO)
         _sh_st64(VAL + slotc * 8, local, mi)
@@ -766,7 +799,8 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
+                PBITS: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -830,7 +864,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             m = loc < wend
             mi = m.to(gl.int32)
             d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
-            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     else:
         # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
@@ -861,7 +895,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 ids_2 = nxt
             mi = m.to(gl.int32)
             d = gl.where(m, _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)[0], -1)
-            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     # PREFETCH: r2's first ids are loaded here, in flight during (b)
     nxt = gl.load(values_ptr + start + e2, mask=(e2 < n_t) & PREFETCH, other=0).to(gl.int64)
@@ -942,6 +976,7 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
+    PBITS: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -968,15 +1003,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP)  # fmt: skip
+                        True, L2PF, SKIP, PBITS)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP)  # fmt: skip
+                        False, L2PF, SKIP, PBITS)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP)  # fmt: skip
+                    L2PF, SKIP, PBITS)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1086,6 +1121,13 @@ class V5Config:
         by `default_config_v5`. On one H100 (`dispatch_v5_diagskip_h100_b96ca4f.json`), W =
         1024, the default's scatter: 0.999 ms, 0.726 without the write-out, 0.687 without
         any global store (the whole call 0.418 -> 0.508 / 0.529 of the HBM floor).
+    peers: how the ordered loop finds the lanes of a chunk of 32 ids with the same
+        dest: "match" (one ``match.any.sync``) or "ballot" (one ``vote.ballot.sync`` per
+        bit of the dest plus one, `peer_bits`: 11 at W = 1024; CUB's ``MatchAny`` does
+        this, its comment saying match.any is slower when few bits are matched). Nsight
+        Compute at W = 1024 on an H100 (`ncu_v5_sass_w1024_h100_7024f25.csv`) put 15% of
+        the default scatter's stall samples on the wait for match.any's result. Same
+        ranks either way.
     """
 
     tile: int = 4096
@@ -1105,6 +1147,7 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
+    peers: str = "match"
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1184,6 +1227,7 @@ COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
 STAGINGS = ("int64", "int32")
+PEERS = ("match", "ballot")
 SNAPS = {"int32": torch.int32, "int16": torch.int16}
 
 
@@ -1211,6 +1255,13 @@ def _v32(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.staging == "int32"
 
 
+def peer_bits(cfg: V5Config, world_size: int) -> int:
+    """The ordered loop's ballots per 32 ids with ``peers="ballot"`` (0: match.any): the
+    bits of the largest dest, W - 1, plus one that sets a lane without an id (dest -1)
+    apart from every dest."""
+    return (world_size - 1).bit_length() + 1 if cfg.peers == "ballot" else 0
+
+
 def _scatter_kernel(cfg: V5Config):
     return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
 
@@ -1219,7 +1270,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
     """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
             "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
-            "B3": bufs[3]}  # fmt: skip
+            "B3": bufs[3], "PBITS": peer_bits(cfg, world_size)}  # fmt: skip
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
@@ -1270,6 +1321,8 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
+    if cfg.peers not in PEERS:
+        raise ValueError(f"peers must be one of {PEERS}, got {cfg.peers!r}")
     if cfg.snaps not in SNAPS:
         raise ValueError(f"snaps must be one of {tuple(SNAPS)}, got {cfg.snaps!r}")
     if cfg.staging not in STAGINGS:
