@@ -255,6 +255,11 @@ for _base in (*H100_BASES, "v5_t2048_w4_u4", "ranks_t2048_c4_s8_u4", "ranks_t409
     CONFIGS[f"{_base}_bal"] = {**CONFIGS[_base], "peers": "ballot"}
 for _base in H100_BASES:
     CONFIGS[f"{_base}_bal_nostore"] = {**CONFIGS[f"{_base}_nostore"], "peers": "ballot"}
+# session 41: a grid of the resident programs, each loading its next tile's first ids
+# during the write-out (`V5Config(persist=True)`), with and without ballots
+for _base in (*H100_BASES, "ranks_t2048_c4_s8_u4", "ranks_t4096_c8_s16_u2"):
+    CONFIGS[f"{_base}_per"] = {**CONFIGS[_base], "persist": True}
+    CONFIGS[f"{_base}_bal_per"] = {**CONFIGS[_base], "persist": True, "peers": "ballot"}
 
 
 def _diff(a, b) -> list[str]:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   both cards: first the GPU cases of `peers="ballot"` (session 41: the ordered loop's
-#         same-dest lanes by one ballot per dest bit instead of match.any), then the A/B
-#         at 2^26 ids (`dispatch_v5.py --no-check`, every timed call still compared with
-#         v4's output) of each config with and without `_bal`.
-#   H200: also the GPU cases of `l2_prefetch` and of the H100 default's option set, and
-#         `check_kernels_cuda.py --only auto`; its A/B holds both tables' configs (the
-#         H200 table's against the H100's, the question sessions 35-40 could not run).
-#         The figure (`kernels.py`) is a second call once the A/B has picked the table:
-#         `bash benchmarks/v5_next.sh figure` (FREESCALE_V5_TABLE passes through).
-#   H100: the H100 table's configs, each also without any global store (`_nostore`,
-#         session 40's diagnostic) to time the ranking alone with and without ballots.
+#   both cards: first the GPU cases of session 41's two options, `peers="ballot"` (the
+#         ordered loop's same-dest lanes by one ballot per dest bit instead of match.any)
+#         and `persist=True` (a grid of the resident programs, each loading its next
+#         tile's first ids during the write-out); then the A/B at 2^26 ids
+#         (`dispatch_v5.py --no-check`, every timed call still compared with v4's output)
+#         of each base config with and without them (`_bal`, `_per`, `_bal_per`).
+#   H200: also `check_kernels_cuda.py --only auto`, and its A/B holds both tables'
+#         configs (the H200 table's against the H100's, the question sessions 35-40
+#         could not run). The figure (`kernels.py`) is a second call once the A/B has
+#         picked the table: `bash benchmarks/v5_next.sh figure` (FREESCALE_V5_TABLE
+#         passes through).
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
@@ -59,28 +59,21 @@ if [ "${1:-}" = figure ]; then
   exit $fail
 fi
 worlds=(8 64 256 512 1024 2048)
+step 220 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+  tests/test_kernels_v5.py -k "on_gpu and (ballot or persist)"
+bases=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
+  ranks_t16384_c8_s16_u2_v32_pf_sn16)
+configs=()
 case $CARD in
   *H200*)
-    step 200 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernels_v5.py -k "on_gpu and (ballot or l2_prefetch or (16384 and prefetch))"
     step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
-    bases=(v5_t2048_w4_u4 ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2 ranks_t4096_c8_s16_u2_sn16
-      ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t16384_c8_s16_u2_v32_pf_sn16)
-    configs=()
-    for b in "${bases[@]}"; do
-      configs+=("$b" "${b}_bal")
-    done
-    ;;
-  *H100*)
-    step 150 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kernels_v5.py -k "on_gpu and ballot"
-    configs=()
-    for b in ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 \
-      ranks_t16384_c8_s16_u2_v32_pf_sn16; do
-      configs+=("$b" "${b}_bal" "${b}_nostore" "${b}_bal_nostore")
-    done
+    bases+=(ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2)
+    configs+=(v5_t2048_w4_u4 v5_t2048_w4_u4_bal)
     ;;
 esac
-step 280 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+for b in "${bases[@]}"; do
+  configs+=("$b" "${b}_bal" "${b}_per" "${b}_bal_per")
+done
+step 300 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
   --no-check --workloads large --worlds "${worlds[@]}" --configs "${configs[@]}"
 exit $fail

@@ -89,6 +89,10 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(prefetch=1))
     with pytest.raises(ValueError, match="snaps must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(snaps="int8"))
+    for bad in (dict(persist=1), dict(persist=True), dict(persist=True, scatter="ranks",
+                dests="stored"), dict(persist=True, scatter="ranks", l2_ahead=3)):  # fmt: skip
+        with pytest.raises(ValueError, match="persist"):
+            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(**bad))
     with pytest.raises(ValueError, match="peers must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(peers="vote"))
     with pytest.raises(ValueError, match="narrow must be True or False"):
@@ -232,6 +236,10 @@ def _run_fresh(tmp_path, code: str) -> dict:
          'peers="ballot"'),
         (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64",
          'peers="ballot"'),
+        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
+         'prefetch=True, snaps="int16", persist=True'),
+        (7, 256, 8, 2, True, "int32", "ranks", "rows", "pos", "recompute", "int64",
+         'persist=True, narrow=True, peers="ballot", ahead=4'),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -692,6 +700,44 @@ def test_v5_ballot_sign_bit_is_needed_on_gpu(tmp_path, knobs: str) -> None:
     cfg = eval(f"dict({knobs})")
     got = _run_fresh(tmp_path, _GPU_LAST_RANK_CASE.format(world=1024, cfg=cfg, mutate=True))
     assert not got["values"], got
+
+
+_GPU_PERSIST_CASE = (
+    _GPU_HEAD
+    + """g = torch.Generator(device="cuda").manual_seed(world + 3)
+lengths = torch.randint(0, {maxlen}, (3 * 64,), device="cuda", generator=g)
+n = int(lengths.sum())
+vals = torch.randint(0, 10_000, (n,), device="cuda", generator=g)
+vals[::97] = 10_000 - 1  # the last rank's top row
+blocks = torch.full((3,), -(-10_000 // world), device="cuda")
+bufs = v5.buffer_words(v5.scatter_smem_bytes(cfg, world), cfg.scatter_warps * 32)
+grid = v5.persist_grid(vals.device, sum(bufs) * 4, cfg.scatter_warps)
+assert grid < n // cfg.tile, (grid, n)  # programs take several tiles each
+"""
+    + _GPU_TAIL
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
+@pytest.mark.parametrize(
+    "knobs,maxlen",
+    [
+        ('tile=512, scatter="ranks", persist=True', 20_000),
+        ('tile=512, scatter="ranks", persist=True, narrow=True, peers="ballot", ahead=4', 20_000),
+        ('tile=512, scatter="ranks", slots="pos", staging="int32", prefetch=True, '
+         "persist=True, diag_skip=0", 20_000),
+        ('tile=8192, scatter_warps=16, unroll=2, scatter="ranks", staging="int32", '
+         'prefetch=True, snaps="int16", persist=True', 40_000),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("world", [1, 7, 1024])
+def test_v5_persist_equals_reference_on_gpu(tmp_path, world: int, knobs: str, maxlen: int) -> None:
+    """``V5Config(persist=True)``: each program takes several tiles (the input is sized so
+    that the grid is smaller than the tile count) and loads its next tile's first ids
+    during the write-out; bitwise equal to the reference."""
+    cfg = eval(f"dict({knobs})")
+    got = _run_fresh(tmp_path, _GPU_PERSIST_CASE.format(world=world, cfg=cfg, maxlen=maxlen))
+    assert all(got.values()), got
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (3, 70), (130, 64), (257, 1000)])

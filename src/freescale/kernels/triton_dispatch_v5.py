@@ -433,7 +433,14 @@ def _dest_local(ids, blk, inv, WORLD: gl.constexpr, MODULO: gl.constexpr,
 def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
     """Tile t = this program: (t as int64, its first id, its id count, its key's block
     size, 1 / block size as float32 for `_owner_inv`)."""
-    t = gl.program_id(0).to(gl.int64)
+    return _tile_header_at(gl.program_id(0), tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                           block_sizes_ptr)  # fmt: skip
+
+
+@gluon.jit
+def _tile_header_at(t, tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
+    """`_tile_header` of tile t (int32 scalar) instead of this program's."""
+    t = t.to(gl.int64)
     key = gl.load(tile_key_ptr + t)
     start = gl.load(tile_start_ptr + t)
     end = gl.load(tile_end_ptr + t)
@@ -795,12 +802,25 @@ def _v5_scatter_kernel(
 
 
 @gluon.jit
+def _r1_first(values_ptr, start, n_t, e, SUB: gl.constexpr):
+    """The ids of the first two chunks of 32 of each warp's sub-range of the tile at
+    `start` with n_t ids (0 where past the sub-range): what the ordered loop ranks first."""
+    w = e // 32
+    wloc = w * SUB + e % 32
+    wend = gl.minimum(n_t, w * SUB + SUB)
+    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
+    ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend, other=0)
+    return ids_1, ids_2.to(gl.int64)
+
+
+@gluon.jit
 def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                first_1, first_2, next_start, next_n,
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                 NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
-                PBITS: gl.constexpr):  # fmt: skip
+                PBITS: gl.constexpr, PERSIST: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -820,7 +840,12 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     and r2 reads the dest instead of mapping the id again.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
-    stores in r2. 0 compiles the full kernel."""
+    stores in r2. 0 compiles the full kernel.
+    PERSIST (``V5Config(persist=True)``): the ordered loop's first two chunks per warp
+    come in as first_1 / first_2 (loaded while the program's previous tile was written
+    out); after r2 the first chunks of the program's next tile (next_start, next_n ids;
+    0 ids past the last tile) are loaded before step (d) and returned. Otherwise they
+    are loaded here at the start of r1, and the returned pair is a dummy."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -869,9 +894,11 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     else:
         # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
         # issued before chunk c is ranked); AHEAD = 2 or 4
-        ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
-        ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend,
-                        other=0).to(gl.int64)  # fmt: skip
+        if PERSIST:
+            ids_1 = first_1
+            ids_2 = first_2
+        else:
+            ids_1, ids_2 = _r1_first(values_ptr, start, n_t, e, SUB)
         ids_3 = ids_2
         ids_4 = ids_2
         if AHEAD == 4:
@@ -943,9 +970,45 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         if SKIP // 2 % 2 == 0:
             gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
+    if PERSIST:  # the next tile's first chunks, in flight during the write-out
+        next_1, next_2 = _r1_first(values_ptr, next_start, next_n, e, SUB)
+    else:
+        next_1 = first_1
+        next_2 = first_2
     # (d) write the staged tile out in slot order, CH consecutive slots per store
     if SKIP % 2 == 0:
         _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
+    return next_1, next_2
+
+
+@gluon.jit
+def _ranks_tile_any(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                    first_1, first_2, next_start, next_n,
+                    WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
+                    NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr,
+                    DST: gl.constexpr, V32: gl.constexpr, AHEAD: gl.constexpr,
+                    PREFETCH: gl.constexpr, NARROW: gl.constexpr, L2PF: gl.constexpr,
+                    SKIP: gl.constexpr, PBITS: gl.constexpr,
+                    PERSIST: gl.constexpr):  # fmt: skip
+    """`_ranks_tile` on the tile's arithmetic path: with NARROW, one uniform branch per
+    tile (`narrow_ok`) picks the 32-bit body or the 64-bit one (both compiled)."""
+    if NARROW:
+        if narrow_ok(blk, WORLD):
+            r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
+                                 blk, inv, first_1, first_2, next_start, next_n, WORLD,
+                                 MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, True,
+                                 L2PF, SKIP, PBITS, PERSIST)  # fmt: skip
+        else:
+            r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
+                                 blk, inv, first_1, first_2, next_start, next_n, WORLD,
+                                 MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
+                                 L2PF, SKIP, PBITS, PERSIST)  # fmt: skip
+    else:
+        r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
+                             blk, inv, first_1, first_2, next_start, next_n, WORLD, MODULO,
+                             TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False, L2PF, SKIP,
+                             PBITS, PERSIST)  # fmt: skip
+    return r1, r2
 
 
 @gluon.jit
@@ -958,6 +1021,7 @@ def _v5_scatter_ranks_kernel(
     et_ptr,
     out_values_ptr,
     perm_ptr,
+    num_tiles,
     WORLD: gl.constexpr,
     MODULO: gl.constexpr,
     TILE: gl.constexpr,
@@ -977,6 +1041,7 @@ def _v5_scatter_ranks_kernel(
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
     PBITS: gl.constexpr,
+    PERSIST: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -994,24 +1059,36 @@ def _v5_scatter_ranks_kernel(
         buf2 = _reserve(B2)
     if B3 > 0:
         buf3 = _reserve(B3)
-    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                           block_sizes_ptr)  # fmt: skip
-    if L2AH > 0:
-        _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
-                           layout)  # fmt: skip
-    if NARROW:
-        if narrow_ok(blk, WORLD):
-            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
-                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP, PBITS)  # fmt: skip
-        else:
-            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
-                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP, PBITS)  # fmt: skip
+    e = gl.arange(0, CH, layout=layout)
+    if PERSIST:
+        # a grid of at most the resident programs; program p takes tiles p, p + grid, ...
+        # and loads the ordered loop's first ids of its next tile during this one's (d)
+        grid = gl.num_programs(0)
+        t0 = gl.program_id(0)
+        t, start, n_t, _, _ = _tile_header_at(t0, tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                              block_sizes_ptr)  # fmt: skip
+        first_1, first_2 = _r1_first(values_ptr, start, n_t, e, TILE // NW)
+        for tt in range(t0, num_tiles, grid):
+            tc, start, n_t, blk, inv = _tile_header_at(tt, tile_key_ptr, tile_start_ptr,
+                                                       tile_end_ptr, block_sizes_ptr)  # fmt: skip
+            tn = gl.minimum(tt + grid, num_tiles - 1)
+            next_start = gl.load(tile_start_ptr + tn)
+            next_n = (gl.load(tile_end_ptr + tn) - next_start).to(gl.int32)
+            next_n = next_n * (tt + grid < num_tiles).to(gl.int32)
+            first_1, first_2 = _ranks_tile_any(
+                values_ptr, et_ptr, out_values_ptr, perm_ptr, tc, start, n_t, blk, inv,
+                first_1, first_2, next_start, next_n, WORLD, MODULO, TILE, NW, U, POS, DST,
+                V32, AHEAD, PREFETCH, NARROW, L2PF, SKIP, PBITS, True)  # fmt: skip
     else:
-        _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                    WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP, PBITS)  # fmt: skip
+        t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                               block_sizes_ptr)  # fmt: skip
+        if L2AH > 0:
+            _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
+                               layout)  # fmt: skip
+        dummy = e.to(gl.int64)
+        _ranks_tile_any(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                        dummy, dummy, start, n_t, WORLD, MODULO, TILE, NW, U, POS, DST, V32,
+                        AHEAD, PREFETCH, NARROW, L2PF, SKIP, PBITS, False)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1128,6 +1205,12 @@ class V5Config:
         Compute at W = 1024 on an H100 (`ncu_v5_sass_w1024_h100_7024f25.csv`) put 15% of
         the default scatter's stall samples on the wait for match.any's result. Same
         ranks either way.
+    persist: with ``scatter="ranks"`` and ``dests="recompute"``, a grid of at most the
+        programs that fit the card at once (`persist_grid`), each taking tiles p, p +
+        grid, ... in turn and loading the ordered loop's first ids of its next tile while
+        it writes the current one out. Nsight Compute at W = 1024 on an H100
+        (`ncu_v5_sass_w1024_h100_7024f25.csv`) put 15% of the scatter's stall samples on
+        the ordered loop's wait for those first loads.
     """
 
     tile: int = 4096
@@ -1148,6 +1231,7 @@ class V5Config:
     l2_ahead: int = 0
     diag_skip: int = 0
     peers: str = "match"
+    persist: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1255,6 +1339,19 @@ def _v32(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.staging == "int32"
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persist_grid(device: torch.device, smem_bytes: int, warps: int) -> int:
+    """``V5Config(persist=True)``'s grid: the scatter programs the card holds at once by
+    shared memory (1 KiB of each program's reserved by the driver) and threads (2048 per
+    SM), times its SMs."""
+    per_sm = min((SMEM_LIMIT + 1024) // (smem_bytes + 1024), 2048 // (32 * warps))
+    return max(1, per_sm) * _sm_count(device)
+
+
 def peer_bits(cfg: V5Config, world_size: int) -> int:
     """The ordered loop's ballots per 32 ids with ``peers="ballot"`` (0: match.any): the
     bits of the largest dest, W - 1, plus one that sets a lane without an id (dest -1)
@@ -1280,6 +1377,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
+        meta["PERSIST"] = cfg.persist
     return meta
 
 
@@ -1321,6 +1419,14 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
+    if not isinstance(cfg.persist, bool):
+        raise ValueError(f"persist must be True or False, got {cfg.persist!r}")
+    if cfg.persist and (cfg.scatter != "ranks" or cfg.dests != "recompute" or cfg.l2_ahead):
+        raise ValueError(
+            'persist=True is an option of scatter="ranks" with dests="recompute" and '
+            f"l2_ahead=0, got scatter={cfg.scatter!r}, dests={cfg.dests!r}, "
+            f"l2_ahead={cfg.l2_ahead}"
+        )
     if cfg.peers not in PEERS:
         raise ValueError(f"peers must be one of {PEERS}, got {cfg.peers!r}")
     if cfg.snaps not in SNAPS:
@@ -1442,7 +1548,8 @@ def compile_v5(
     scatter = build(
         _scatter_kernel(cfg),
         {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
-         "out_values_ptr": vt, "perm_ptr": i64},
+         "out_values_ptr": vt, "perm_ptr": i64,
+         **({"num_tiles": "i32"} if cfg.scatter == "ranks" else {})},
         _scatter_meta(cfg, world_size, modulo, cfg.slots == "pos", bufs),
         sw,
     )  # fmt: skip
@@ -1539,10 +1646,16 @@ def ranged_dispatch_v5(
     sw = cfg.scatter_warps
     pos = cfg.slots == "pos" and index_dtype == torch.int32  # positions fit int32
     bufs = buffer_words(scatter_smem_bytes(cfg, world_size, pos), sw * 32)
+    args = (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm)
+    grid = num_tiles
+    if cfg.scatter == "ranks":
+        args += (num_tiles,)
+        if cfg.persist:
+            grid = min(num_tiles, persist_grid(dev, sum(bufs) * 4, sw))
     _launch(
         _scatter_kernel(cfg),
-        (num_tiles,),
-        (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
+        (grid,),
+        args,
         {**_scatter_meta(cfg, world_size, modulo, pos, bufs), "num_warps": sw},
         [4 * b for b in bufs if b],
     )  # fmt: skip
