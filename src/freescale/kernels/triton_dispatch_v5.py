@@ -73,7 +73,11 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   PTX accesses add their offsets to one ``global_smem`` base per kernel (`_sh_addr`;
   before, ptxas re-derived it from the CTA id in every loop iteration).
   The ranks kernel's body is `_ranks_tile`, called once per program with the tile's
-  arithmetic path.
+  arithmetic path (`_ranks_tile_any`). Session 41 added two opt-in options:
+  ``peers="ballot"`` (the ordered loop's same-dest lanes by one ``vote.ballot`` per dest
+  bit, as CUB's ``MatchAny`` does, instead of ``match.any``) and ``persist=True`` (a grid
+  of the resident programs, each taking several tiles and loading the ordered loop's
+  first ids of its next tile during the current tile's write-out).
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
