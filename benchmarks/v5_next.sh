@@ -58,8 +58,8 @@ if [ "${1:-}" = figure ]; then
   step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
   exit $fail
 fi
-worlds=(8 64 256 512 1024 2048)
-step 220 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+worlds=(64 256 1024 2048)
+step 160 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
   tests/test_kernels_v5.py -k "on_gpu and (ballot or persist)"
 bases=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
   ranks_t16384_c8_s16_u2_v32_pf_sn16)
@@ -74,6 +74,6 @@ esac
 for b in "${bases[@]}"; do
   configs+=("$b" "${b}_bal" "${b}_per" "${b}_bal_per")
 done
-step 300 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+step 270 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
   --no-check --workloads large --worlds "${worlds[@]}" --configs "${configs[@]}"
 exit $fail
