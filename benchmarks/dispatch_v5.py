@@ -247,19 +247,6 @@ for _base in H100_BASES:
 for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
-# session 41: the ordered loop's same-dest lanes by one ballot per dest bit instead of
-# match.any (`V5Config(peers="ballot")`), on both tables' configs (H200: the staged
-# scatter below W = 32, 2048- and 4096-id ranks tiles above), and the ranking alone
-# (_bal_nostore, next to session 40's _nostore)
-for _base in (*H100_BASES, "v5_t2048_w4_u4", "ranks_t2048_c4_s8_u4", "ranks_t4096_c8_s16_u2"):
-    CONFIGS[f"{_base}_bal"] = {**CONFIGS[_base], "peers": "ballot"}
-for _base in H100_BASES:
-    CONFIGS[f"{_base}_bal_nostore"] = {**CONFIGS[f"{_base}_nostore"], "peers": "ballot"}
-# session 41: a grid of the resident programs, each loading its next tile's first ids
-# during the write-out (`V5Config(persist=True)`), with and without ballots
-for _base in (*H100_BASES, "ranks_t2048_c4_s8_u4", "ranks_t4096_c8_s16_u2"):
-    CONFIGS[f"{_base}_per"] = {**CONFIGS[_base], "persist": True}
-    CONFIGS[f"{_base}_bal_per"] = {**CONFIGS[_base], "persist": True, "peers": "ballot"}
 
 
 def _diff(a, b) -> list[str]:

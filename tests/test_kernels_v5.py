@@ -89,12 +89,6 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(prefetch=1))
     with pytest.raises(ValueError, match="snaps must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(snaps="int8"))
-    for bad in (dict(persist=1), dict(persist=True), dict(persist=True, scatter="ranks",
-                dests="stored"), dict(persist=True, scatter="ranks", l2_ahead=3)):  # fmt: skip
-        with pytest.raises(ValueError, match="persist"):
-            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(**bad))
-    with pytest.raises(ValueError, match="peers must be one of"):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(peers="vote"))
     with pytest.raises(ValueError, match="narrow must be True or False"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=1))
     with pytest.raises(ValueError, match="l2_prefetch must be True or False"):
@@ -230,16 +224,6 @@ def _run_fresh(tmp_path, code: str) -> dict:
          "l2_prefetch=True, narrow=True"),
         (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
          'prefetch=True, snaps="int16", l2_ahead=264'),
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
-         'prefetch=True, snaps="int16", peers="ballot"'),
-        (7, 256, 2, 2, True, "int32", "staged", "rows", "pos", "recompute", "int64",
-         'peers="ballot"'),
-        (4096, 2048, 4, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64",
-         'peers="ballot"'),
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
-         'prefetch=True, snaps="int16", persist=True'),
-        (7, 256, 8, 2, True, "int32", "ranks", "rows", "pos", "recompute", "int64",
-         'persist=True, narrow=True, peers="ballot", ahead=4'),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -271,8 +255,7 @@ cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unrol
                   staging="{staging}", **dict({knobs}))
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
-used = ("match.any.sync" if cfg.peers == "match" else "vote.sync.ballot",)
-used += ("st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
+used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
 used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
 used += ("st.shared.u32",) if cfg.slots == "pos" else ()
 assert "atom.shared" in kernels["count"].asm["ptx"]
@@ -363,46 +346,6 @@ print(json.dumps({"stores": {k: p.count("st.global") for k, p in ptx.items()},
     assert got["same"]
     assert n[3] < n[1] < n[0] and n[3] < n[2] < n[0], n
     assert n[0] - n[1] == n[2] - n[3] and n[0] - n[2] == n[1] - n[3], n  # independent
-
-
-@needs_ptxas
-def test_ballot_peers_replace_match_any(tmp_path) -> None:
-    """``V5Config(peers="ballot")``: the ordered loop's one match.any becomes `peer_bits`
-    ballots (the dest's bits plus one that sets a lane without an id apart), in both
-    scatters; ``peers="match"`` compiles the same scatter as a config without the field."""
-    got = _run_fresh(
-        tmp_path,
-        """
-import dataclasses, json
-from freescale.kernels import triton_dispatch_v5 as v5
-ranks = v5.V5Config(tile=8192, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks",
-                    staging="int32", prefetch=True, snaps="int16")
-staged = v5.V5Config(tile=2048, count_warps=4, scatter_warps=4)
-out = {}
-for name, base in (("ranks", ranks), ("staged", staged)):
-    for w in (1, 7, 8, 1024, 4096):
-        for peers in ("match", "ballot"):
-            cfg = dataclasses.replace(base, peers=peers)
-            if not v5.v5_supported(w, None, cfg):
-                continue
-            ptx = v5.compile_v5(w, cfg)["scatter"].asm["ptx"]
-            out[f"{name} {w} {peers}"] = [ptx.count("match.any.sync"),
-                                          ptx.count("vote.sync.ballot"),
-                                          v5.peer_bits(cfg, w)]
-plain = v5.compile_v5(1024, ranks)["scatter"].asm["ptx"]
-out["same"] = plain == v5.compile_v5(1024, dataclasses.replace(ranks, peers="match"))[
-    "scatter"].asm["ptx"]
-print(json.dumps(out))
-""",
-    )
-    assert got.pop("same")
-    assert {k.split()[1] for k in got} >= {"1", "7", "8", "1024"}, got
-    for case, (matches, ballots, bits) in got.items():
-        w = int(case.split()[1])
-        if case.endswith("match"):
-            assert (matches, ballots, bits) == (1, 0, 0), case
-        else:  # W = 1: 1 ballot, 7 and 8: 4, 1024: 11, 4096: 13
-            assert (matches, ballots) == (0, bits) and bits == (w - 1).bit_length() + 1, case
 
 
 @needs_ptxas
@@ -646,96 +589,6 @@ def test_v5_narrow_equals_reference_on_gpu(tmp_path, world: int, knobs: str) -> 
     bitwise equal to the reference."""
     cfg = eval(f"dict({knobs})")
     got = _run_fresh(tmp_path, _GPU_NARROW_CASE.format(world=world, cfg=cfg))
-    assert all(got.values()), got
-
-
-# key 0: 1000 ids, all owned by the last rank (W - 1: every low bit set, like the -1 of a
-# lane without an id), so that with 512-id tiles its second tile (488 ids) ends inside a
-# warp's chunk of 32 ids; keys 1 and 2: random
-_GPU_LAST_RANK_CASE = (
-    _GPU_HEAD
-    + """g = torch.Generator(device="cuda").manual_seed(world + 2)
-rows = 10_000
-blocks = torch.full((3,), -(-rows // world), device="cuda")
-lengths = torch.randint(0, 300, (3 * 64,), device="cuda", generator=g)
-lengths[:64] = 15
-lengths[63] = 1000 - 15 * 63
-top = int(blocks[0]) * world
-last = top - int(blocks[0]) + torch.randint(0, int(blocks[0]), (1000,), device="cuda",
-                                            generator=g)
-rest = torch.randint(0, rows, (int(lengths[64:].sum()),), device="cuda", generator=g)
-vals = torch.cat([last, rest])
-if {mutate}:  # one ballot fewer: the -1 of a lane without an id matches dest W - 1
-    v5.peer_bits = lambda cfg, w: (w - 1).bit_length()
-"""
-    + _GPU_TAIL
-)
-_BALLOT_KNOBS = [
-    'tile=512, peers="ballot"',
-    'tile=512, scatter="ranks", peers="ballot"',
-    'tile=512, scatter="ranks", staging="int32", prefetch=True, snaps="int16", peers="ballot"',
-]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
-@pytest.mark.parametrize("knobs", _BALLOT_KNOBS)
-@pytest.mark.parametrize("world", [1, 7, 1024, 4096])
-def test_v5_ballot_peers_equal_reference_on_gpu(tmp_path, world: int, knobs: str) -> None:
-    """``V5Config(peers="ballot")`` in both scatters: a key owned by the last rank whose
-    last tile ends inside a chunk, and two random keys, bitwise equal to the reference."""
-    cfg = eval(f"dict({knobs})")
-    got = _run_fresh(tmp_path, _GPU_LAST_RANK_CASE.format(world=world, cfg=cfg, mutate=False))
-    assert all(got.values()), got
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
-@pytest.mark.parametrize("knobs", _BALLOT_KNOBS[1:])
-def test_v5_ballot_sign_bit_is_needed_on_gpu(tmp_path, knobs: str) -> None:
-    """The GPU case above catches a mutation of the ranks scatter: without the extra
-    ballot, at W = 1024 a lane without an id (-1) looks like a peer of dest 1023 in the
-    tile's last chunk, so the dest's last lane does not advance the warp's counter, whose
-    total step (b) needs. (The staged scatter's counts come from its own pass (a); its
-    lanes without an id sit above every lane with one, so its ranks do not change.)"""
-    cfg = eval(f"dict({knobs})")
-    got = _run_fresh(tmp_path, _GPU_LAST_RANK_CASE.format(world=1024, cfg=cfg, mutate=True))
-    assert not got["values"], got
-
-
-_GPU_PERSIST_CASE = (
-    _GPU_HEAD
-    + """g = torch.Generator(device="cuda").manual_seed(world + 3)
-lengths = torch.randint(0, {maxlen}, (3 * 64,), device="cuda", generator=g)
-n = int(lengths.sum())
-vals = torch.randint(0, 10_000, (n,), device="cuda", generator=g)
-vals[::97] = 10_000 - 1  # the last rank's top row
-blocks = torch.full((3,), -(-10_000 // world), device="cuda")
-bufs = v5.buffer_words(v5.scatter_smem_bytes(cfg, world), cfg.scatter_warps * 32)
-grid = v5.persist_grid(vals.device, sum(bufs) * 4, cfg.scatter_warps)
-assert grid < n // cfg.tile, (grid, n)  # programs take several tiles each
-"""
-    + _GPU_TAIL
-)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="v5 is Gluon: it runs on a CUDA GPU only")
-@pytest.mark.parametrize(
-    "knobs,maxlen",
-    [
-        ('tile=512, scatter="ranks", persist=True', 20_000),
-        ('tile=512, scatter="ranks", persist=True, narrow=True, peers="ballot", ahead=4', 20_000),
-        ('tile=512, scatter="ranks", slots="pos", staging="int32", prefetch=True, '
-         "persist=True, diag_skip=0", 20_000),
-        ('tile=8192, scatter_warps=16, unroll=2, scatter="ranks", staging="int32", '
-         'prefetch=True, snaps="int16", persist=True', 40_000),
-    ],
-)  # fmt: skip
-@pytest.mark.parametrize("world", [7, 1024])
-def test_v5_persist_equals_reference_on_gpu(tmp_path, world: int, knobs: str, maxlen: int) -> None:
-    """``V5Config(persist=True)``: each program takes several tiles (the input is sized so
-    that the grid is smaller than the tile count) and loads its next tile's first ids
-    during the write-out; bitwise equal to the reference."""
-    cfg = eval(f"dict({knobs})")
-    got = _run_fresh(tmp_path, _GPU_PERSIST_CASE.format(world=world, cfg=cfg, maxlen=maxlen))
     assert all(got.values()), got
 
 

@@ -73,11 +73,7 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   PTX accesses add their offsets to one ``global_smem`` base per kernel (`_sh_addr`;
   before, ptxas re-derived it from the CTA id in every loop iteration).
   The ranks kernel's body is `_ranks_tile`, called once per program with the tile's
-  arithmetic path (`_ranks_tile_any`). Session 41 added two opt-in options:
-  ``peers="ballot"`` (the ordered loop's same-dest lanes by one ``vote.ballot`` per dest
-  bit, as CUB's ``MatchAny`` does, instead of ``match.any``) and ``persist=True`` (a grid
-  of the resident programs, each taking several tiles and loading the ordered loop's
-  first ids of its next tile during the current tile's write-out).
+  arithmetic path.
 
 Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
 
@@ -269,33 +265,6 @@ def _match_any(x):
 
 
 @gluon.jit
-def _ballot_bit(x, bit):
-    """The lanes of the warp whose int32 x agrees with this lane's x on the bits of `bit`
-    (a one-bit int32): vote.ballot of (x & bit) != 0, inverted where this lane's bit is 0."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; and.b32 t, $1, $2; setp.ne.u32 p, t, 0; "
-        "vote.sync.ballot.b32 $0, p, -1; @!p not.b32 $0, $0; }",
-        "=r,r,r",
-        [x, bit],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _ballot_peers(x, BITS: gl.constexpr):
-    """`_match_any` of an x whose values differ only in their low BITS bits, by one
-    ballot per bit (``V5Config(peers="ballot")``; CUB's ``MatchAny`` does the same: its
-    comment says match.any.sync is slower when a few bits are matched). The callers'
-    -1 for a lane without an id differs from every dest < 2^(BITS - 1) in bit BITS - 1."""
-    peers = _ballot_bit(x, x * 0 + 1)
-    for b in gl.static_range(1, BITS):
-        peers = peers & _ballot_bit(x, x * 0 + (1 << b))
-    return peers
-
-
-@gluon.jit
 def _warp_inclusive_scan(x):
     """Inclusive prefix sum of int32 x over the lanes of each warp (PTX shfl.sync.up;
     element i of a warp's 32 must live in lane i)."""
@@ -437,14 +406,7 @@ def _dest_local(ids, blk, inv, WORLD: gl.constexpr, MODULO: gl.constexpr,
 def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
     """Tile t = this program: (t as int64, its first id, its id count, its key's block
     size, 1 / block size as float32 for `_owner_inv`)."""
-    return _tile_header_at(gl.program_id(0), tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                           block_sizes_ptr)  # fmt: skip
-
-
-@gluon.jit
-def _tile_header_at(t, tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
-    """`_tile_header` of tile t (int32 scalar) instead of this program's."""
-    t = t.to(gl.int64)
+    t = gl.program_id(0).to(gl.int64)
     key = gl.load(tile_key_ptr + t)
     start = gl.load(tile_start_ptr + t)
     end = gl.load(tile_end_ptr + t)
@@ -479,18 +441,13 @@ def _lane_masks(lane):
 
 
 @gluon.jit
-def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr,
-               PBITS: gl.constexpr):  # fmt: skip
+def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr):
     """One step of a warp's ordered loop over 32 ids (d: each lane's dest, -1 where not
     m): the lane's rank among the warp's ids of its dest so far (the warp's counter
-    WC[w][d] plus its earlier same-dest lanes, by match.any, or with PBITS > 0 by PBITS
-    ballots, `_ballot_peers`), and the counter advanced by the dest's last lane. Returns
-    (rank, sync): sync is a dummy 0 that, added to the next shared address, keeps the
-    next access after the warp's counter update."""
-    if PBITS > 0:
-        peers = _ballot_peers(d, PBITS)
-    else:
-        peers = _match_any(d)
+    WC[w][d] plus its earlier same-dest lanes, by match.any), and the counter advanced by
+    the dest's last lane. Returns (rank, sync): sync is a dummy 0 that, added to the next
+    shared address, keeps the next access after the warp's counter update."""
+    peers = _match_any(d)
     earlier = _popc(peers & below)
     last = (peers & above) == 0
     a = WC + (w * WROW + gl.where(m, d, 0)) * 2
@@ -702,7 +659,6 @@ def _v5_scatter_kernel(
     B1: gl.constexpr,
     B2: gl.constexpr,
     B3: gl.constexpr,
-    PBITS: gl.constexpr,
 ):
     """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
     reserved buffer): VAL [TILE] int64 staging; SHIFT [W] int64 (et[t, d] minus the
@@ -783,7 +739,7 @@ def _v5_scatter_kernel(
         locc = gl.where(m, loc, 0)
         d = gl.where(m, _sh_ld16(DIN + locc * 2), -1)
         dc = gl.where(m, d, 0)
-        slot, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
+        slot, sync = _warp_rank(d, m, w, below, above, WC, WROW)
         slotc = gl.where(m, slot, 0) + sync
         local = _local_of(ids, dc, blk, WORLD, MODULO)
         _sh_st64(VAL + slotc * 8, local, mi)
@@ -806,25 +762,11 @@ def _v5_scatter_kernel(
 
 
 @gluon.jit
-def _r1_first(values_ptr, start, n_t, e, SUB: gl.constexpr):
-    """The ids of the first two chunks of 32 of each warp's sub-range of the tile at
-    `start` with n_t ids (0 where past the sub-range): what the ordered loop ranks first."""
-    w = e // 32
-    wloc = w * SUB + e % 32
-    wend = gl.minimum(n_t, w * SUB + SUB)
-    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
-    ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend, other=0)
-    return ids_1, ids_2.to(gl.int64)
-
-
-@gluon.jit
 def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                first_1, first_2, next_start, next_n,
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
-                PBITS: gl.constexpr, PERSIST: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -844,12 +786,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     and r2 reads the dest instead of mapping the id again.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
-    stores in r2. 0 compiles the full kernel.
-    PERSIST (``V5Config(persist=True)``): the ordered loop's first two chunks per warp
-    come in as first_1 / first_2 (loaded while the program's previous tile was written
-    out); after r2 the first chunks of the program's next tile (next_start, next_n ids;
-    0 ids past the last tile) are loaded before step (d) and returned. Otherwise they
-    are loaded here at the start of r1, and the returned pair is a dummy."""
+    stores in r2. 0 compiles the full kernel."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -882,27 +819,19 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         # lane 0 of each warp: its sub-range's ids into L2 in one request
         first = values_ptr + start + gl.minimum(w * SUB, n_t)
         _l2_prefetch(first, values_ptr + start + gl.minimum(w * SUB + SUB, n_t), lane == 0)
-    _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
     wloc = w * SUB + lane
     wend = gl.minimum(n_t, w * SUB + SUB)
-    if DST:
-        for c in range(0, SUB, 32):
-            loc = wloc + c
-            m = loc < wend
-            mi = m.to(gl.int32)
-            d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
-            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
-            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
-    else:
-        # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
-        # issued before chunk c is ranked); AHEAD = 2 or 4
-        if PERSIST:
-            ids_1 = first_1
-            ids_2 = first_2
-        else:
-            ids_1, ids_2 = _r1_first(values_ptr, start, n_t, e, SUB)
+    if not DST:
+        # the first AHEAD chunks' ids are requested before the counters are zeroed, so
+        # that their latency overlaps the zeroing and its barrier (session 41: the first
+        # chunk's wait held 15% of the W = 1024 scatter's stall samples on an H100,
+        # `ncu_v5_sass_w1024_h100_7024f25.csv`); then the loads of chunk c + AHEAD are
+        # issued before chunk c is ranked; AHEAD = 2 or 4
+        ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
+        ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend,
+                        other=0).to(gl.int64)  # fmt: skip
         ids_3 = ids_2
         ids_4 = ids_2
         if AHEAD == 4:
@@ -910,6 +839,16 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                             other=0).to(gl.int64)  # fmt: skip
             ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend,
                             other=0).to(gl.int64)  # fmt: skip
+    _zero_words(WC, WC_WORDS, e, CH)
+    if DST:
+        for c in range(0, SUB, 32):
+            loc = wloc + c
+            m = loc < wend
+            mi = m.to(gl.int32)
+            d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
+            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    else:
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
@@ -926,7 +865,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 ids_2 = nxt
             mi = m.to(gl.int32)
             d = gl.where(m, _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)[0], -1)
-            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW, PBITS)
+            rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     # PREFETCH: r2's first ids are loaded here, in flight during (b)
     nxt = gl.load(values_ptr + start + e2, mask=(e2 < n_t) & PREFETCH, other=0).to(gl.int64)
@@ -974,45 +913,9 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         if SKIP // 2 % 2 == 0:
             gl.store(perm_ptr + start + loc, shift + slot.to(gl.int64), mask=m)
     gl.thread_barrier()
-    if PERSIST:  # the next tile's first chunks, in flight during the write-out
-        next_1, next_2 = _r1_first(values_ptr, next_start, next_n, e, SUB)
-    else:
-        next_1 = first_1
-        next_2 = first_2
     # (d) write the staged tile out in slot order, CH consecutive slots per store
     if SKIP % 2 == 0:
         _write_staged(out_values_ptr, n_t, e2, VAL, DSLOT, SHIFT, CH * U, POS, V32)
-    return next_1, next_2
-
-
-@gluon.jit
-def _ranks_tile_any(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                    first_1, first_2, next_start, next_n,
-                    WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
-                    NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr,
-                    DST: gl.constexpr, V32: gl.constexpr, AHEAD: gl.constexpr,
-                    PREFETCH: gl.constexpr, NARROW: gl.constexpr, L2PF: gl.constexpr,
-                    SKIP: gl.constexpr, PBITS: gl.constexpr,
-                    PERSIST: gl.constexpr):  # fmt: skip
-    """`_ranks_tile` on the tile's arithmetic path: with NARROW, one uniform branch per
-    tile (`narrow_ok`) picks the 32-bit body or the 64-bit one (both compiled)."""
-    if NARROW:
-        if narrow_ok(blk, WORLD):
-            r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
-                                 blk, inv, first_1, first_2, next_start, next_n, WORLD,
-                                 MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, True,
-                                 L2PF, SKIP, PBITS, PERSIST)  # fmt: skip
-        else:
-            r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
-                                 blk, inv, first_1, first_2, next_start, next_n, WORLD,
-                                 MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                                 L2PF, SKIP, PBITS, PERSIST)  # fmt: skip
-    else:
-        r1, r2 = _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t,
-                             blk, inv, first_1, first_2, next_start, next_n, WORLD, MODULO,
-                             TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False, L2PF, SKIP,
-                             PBITS, PERSIST)  # fmt: skip
-    return r1, r2
 
 
 @gluon.jit
@@ -1025,7 +928,6 @@ def _v5_scatter_ranks_kernel(
     et_ptr,
     out_values_ptr,
     perm_ptr,
-    num_tiles,
     WORLD: gl.constexpr,
     MODULO: gl.constexpr,
     TILE: gl.constexpr,
@@ -1044,8 +946,6 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
-    PBITS: gl.constexpr,
-    PERSIST: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -1063,36 +963,24 @@ def _v5_scatter_ranks_kernel(
         buf2 = _reserve(B2)
     if B3 > 0:
         buf3 = _reserve(B3)
-    e = gl.arange(0, CH, layout=layout)
-    if PERSIST:
-        # a grid of at most the resident programs; program p takes tiles p, p + grid, ...
-        # and loads the ordered loop's first ids of its next tile during this one's (d)
-        grid = gl.num_programs(0)
-        t0 = gl.program_id(0)
-        t, start, n_t, _, _ = _tile_header_at(t0, tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                              block_sizes_ptr)  # fmt: skip
-        first_1, first_2 = _r1_first(values_ptr, start, n_t, e, TILE // NW)
-        for tt in range(t0, num_tiles, grid):
-            tc, start, n_t, blk, inv = _tile_header_at(tt, tile_key_ptr, tile_start_ptr,
-                                                       tile_end_ptr, block_sizes_ptr)  # fmt: skip
-            tn = gl.minimum(tt + grid, num_tiles - 1)
-            next_start = gl.load(tile_start_ptr + tn)
-            next_n = (gl.load(tile_end_ptr + tn) - next_start).to(gl.int32)
-            next_n = next_n * (tt + grid < num_tiles).to(gl.int32)
-            first_1, first_2 = _ranks_tile_any(
-                values_ptr, et_ptr, out_values_ptr, perm_ptr, tc, start, n_t, blk, inv,
-                first_1, first_2, next_start, next_n, WORLD, MODULO, TILE, NW, U, POS, DST,
-                V32, AHEAD, PREFETCH, NARROW, L2PF, SKIP, PBITS, True)  # fmt: skip
+    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                           block_sizes_ptr)  # fmt: skip
+    if L2AH > 0:
+        _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
+                           layout)  # fmt: skip
+    if NARROW:
+        if narrow_ok(blk, WORLD):
+            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
+                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
+                        True, L2PF, SKIP)  # fmt: skip
+        else:
+            _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
+                        inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
+                        False, L2PF, SKIP)  # fmt: skip
     else:
-        t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                               block_sizes_ptr)  # fmt: skip
-        if L2AH > 0:
-            _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
-                               layout)  # fmt: skip
-        dummy = e.to(gl.int64)
-        _ranks_tile_any(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                        dummy, dummy, start, n_t, WORLD, MODULO, TILE, NW, U, POS, DST, V32,
-                        AHEAD, PREFETCH, NARROW, L2PF, SKIP, PBITS, False)  # fmt: skip
+        _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                    WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
+                    L2PF, SKIP)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1202,19 +1090,6 @@ class V5Config:
         by `default_config_v5`. On one H100 (`dispatch_v5_diagskip_h100_b96ca4f.json`), W =
         1024, the default's scatter: 0.999 ms, 0.726 without the write-out, 0.687 without
         any global store (the whole call 0.418 -> 0.508 / 0.529 of the HBM floor).
-    peers: how the ordered loop finds the lanes of a chunk of 32 ids with the same
-        dest: "match" (one ``match.any.sync``) or "ballot" (one ``vote.ballot.sync`` per
-        bit of the dest plus one, `peer_bits`: 11 at W = 1024; CUB's ``MatchAny`` does
-        this, its comment saying match.any is slower when few bits are matched). Nsight
-        Compute at W = 1024 on an H100 (`ncu_v5_sass_w1024_h100_7024f25.csv`) put 15% of
-        the default scatter's stall samples on the wait for match.any's result. Same
-        ranks either way.
-    persist: with ``scatter="ranks"`` and ``dests="recompute"``, a grid of at most the
-        programs that fit the card at once (`persist_grid`), each taking tiles p, p +
-        grid, ... in turn and loading the ordered loop's first ids of its next tile while
-        it writes the current one out. Nsight Compute at W = 1024 on an H100
-        (`ncu_v5_sass_w1024_h100_7024f25.csv`) put 15% of the scatter's stall samples on
-        the ordered loop's wait for those first loads.
     """
 
     tile: int = 4096
@@ -1234,8 +1109,6 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
-    peers: str = "match"
-    persist: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1315,7 +1188,6 @@ COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
 STAGINGS = ("int64", "int32")
-PEERS = ("match", "ballot")
 SNAPS = {"int32": torch.int32, "int16": torch.int16}
 
 
@@ -1343,26 +1215,6 @@ def _v32(cfg: V5Config) -> bool:
     return cfg.scatter == "ranks" and cfg.staging == "int32"
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def persist_grid(device: torch.device, smem_bytes: int, warps: int) -> int:
-    """``V5Config(persist=True)``'s grid: the scatter programs the card holds at once by
-    shared memory (1 KiB of each program's reserved by the driver) and threads (2048 per
-    SM), times its SMs."""
-    per_sm = min((SMEM_LIMIT + 1024) // (smem_bytes + 1024), 2048 // (32 * warps))
-    return max(1, per_sm) * _sm_count(device)
-
-
-def peer_bits(cfg: V5Config, world_size: int) -> int:
-    """The ordered loop's ballots per 32 ids with ``peers="ballot"`` (0: match.any): the
-    bits of the largest dest, W - 1, plus one that sets a lane without an id (dest -1)
-    apart from every dest."""
-    return (world_size - 1).bit_length() + 1 if cfg.peers == "ballot" else 0
-
-
 def _scatter_kernel(cfg: V5Config):
     return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
 
@@ -1371,7 +1223,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
     """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
             "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
-            "B3": bufs[3], "PBITS": peer_bits(cfg, world_size)}  # fmt: skip
+            "B3": bufs[3]}  # fmt: skip
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
@@ -1381,7 +1233,6 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
-        meta["PERSIST"] = cfg.persist
     return meta
 
 
@@ -1423,16 +1274,6 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
-    if not isinstance(cfg.persist, bool):
-        raise ValueError(f"persist must be True or False, got {cfg.persist!r}")
-    if cfg.persist and (cfg.scatter != "ranks" or cfg.dests != "recompute" or cfg.l2_ahead):
-        raise ValueError(
-            'persist=True is an option of scatter="ranks" with dests="recompute" and '
-            f"l2_ahead=0, got scatter={cfg.scatter!r}, dests={cfg.dests!r}, "
-            f"l2_ahead={cfg.l2_ahead}"
-        )
-    if cfg.peers not in PEERS:
-        raise ValueError(f"peers must be one of {PEERS}, got {cfg.peers!r}")
     if cfg.snaps not in SNAPS:
         raise ValueError(f"snaps must be one of {tuple(SNAPS)}, got {cfg.snaps!r}")
     if cfg.staging not in STAGINGS:
@@ -1552,8 +1393,7 @@ def compile_v5(
     scatter = build(
         _scatter_kernel(cfg),
         {"values_ptr": vt, "block_sizes_ptr": vt, **table, "et_ptr": "*i32",
-         "out_values_ptr": vt, "perm_ptr": i64,
-         **({"num_tiles": "i32"} if cfg.scatter == "ranks" else {})},
+         "out_values_ptr": vt, "perm_ptr": i64},
         _scatter_meta(cfg, world_size, modulo, cfg.slots == "pos", bufs),
         sw,
     )  # fmt: skip
@@ -1650,16 +1490,10 @@ def ranged_dispatch_v5(
     sw = cfg.scatter_warps
     pos = cfg.slots == "pos" and index_dtype == torch.int32  # positions fit int32
     bufs = buffer_words(scatter_smem_bytes(cfg, world_size, pos), sw * 32)
-    args = (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm)
-    grid = num_tiles
-    if cfg.scatter == "ranks":
-        args += (num_tiles,)
-        if cfg.persist:
-            grid = min(num_tiles, persist_grid(dev, sum(bufs) * 4, sw))
     _launch(
         _scatter_kernel(cfg),
-        (grid,),
-        args,
+        (num_tiles,),
+        (values, block_sizes, tile_key, tile_start, tile_end, et, out_values, perm),
         {**_scatter_meta(cfg, world_size, modulo, pos, bufs), "num_warps": sw},
         [4 * b for b in bufs if b],
     )  # fmt: skip
