@@ -7,7 +7,7 @@
 #         ranks scatter's load options (`ahead`, `prefetch`), then `dispatch_v5.py
 #         --no-check` at 2^26 ids (every timed call still compared with v4's output) on
 #         the base tree (BASE, default e142538's full sha, extracted beforehand to _ab/BASE/src) and
-#         on this tree, twice in turn (base, this, base, this), on the card's table
+#         on this tree, twice in turn (base, this, base, this; ROUNDS=1: once), on the card's table
 #         configs (H200: both tables'), W = 64, 256, 1024, 2048.
 #   Session 41's first call (`dispatch_v5_ballot_persist_h100_4ad8887.json`) timed two
 #   options since reverted: `peers="ballot"` and `persist=True`.
@@ -59,18 +59,18 @@ if [ ! -d "$AB/$BASE/src" ]; then
   exit 1
 fi
 mkdir -p "$OUT/ab"
-step 90 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+step 80 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
   tests/test_kernels_v5.py -k "on_gpu and reference and (ahead or prefetch) and not (l2 or stored or 16384) and 1024"
 configs=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
   ranks_t16384_c8_s16_u2_v32_pf_sn16)
 case $CARD in
   *H200*) configs+=(ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2) ;;
 esac
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for tree in base this; do
     src=src sha=$SHA
     [ $tree = base ] && src=$AB/$BASE/src sha=$BASE
-    PYTHONPATH=$src step 80 "$OUT/ab/${tree}_$round.log" python3 benchmarks/dispatch_v5.py \
+    PYTHONPATH=$src step 70 "$OUT/ab/${tree}_$round.log" python3 benchmarks/dispatch_v5.py \
       --out "$OUT/ab/${tree}_$round" --git-sha "$sha" --no-check --workloads large \
       --worlds 256 1024 2048 --configs "${configs[@]}"
   done
