@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   both cards: a tree A/B of session 41's change to the ranks scatter (the ordered loop's
-#         first chunks of ids requested before the per-warp counters are zeroed, so that
-#         their latency overlaps the zeroing and its barrier): first the GPU cases of the
-#         ranks scatter's load options (`ahead`, `prefetch`), then `dispatch_v5.py
-#         --no-check` at 2^26 ids (every timed call still compared with v4's output) on
-#         the base tree (BASE, default e142538's full sha, extracted beforehand to _ab/BASE/src) and
-#         on this tree, twice in turn (base, this, base, this; ROUNDS=1: once), on the card's table
-#         configs (H200: both tables'), W = 64, 256, 1024, 2048.
+#   both cards: session 41's `early_loads` (the ranks scatter's ordered loop requests its
+#         first chunks of ids before the per-warp counters are zeroed; written, but no
+#         device came to time it): its GPU cases, then the A/B at 2^26 ids
+#         (`dispatch_v5.py --no-check`, every timed call still compared with v4's output)
+#         of the card's table configs with and without it (`_early`), W = 64 .. 2048.
+#   H200: also `check_kernels_cuda.py --only auto`, and the A/B holds both tables'
+#         configs (the H200 table's against the H100's: the question no H200 came for in
+#         sessions 35-41). The figure is a second call (`v5_next.sh figure`, with
+#         FREESCALE_V5_TABLE if the A/B picks the H100 table) once the A/B is read.
 #   Session 41's first call (`dispatch_v5_ballot_persist_h100_4ad8887.json`) timed two
-#   options since reverted: `peers="ballot"` and `persist=True`.
+#   options since reverted; session 40's (`dispatch_v5_diagskip_h100_b96ca4f.json`) the
+#   scatter without its stores.
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
-#     OUT=DIR GIT_SHA=SHA bash benchmarks/v5_next.sh
+#     OUT=DIR GIT_SHA=SHA bash benchmarks/v5_next.sh [figure]
 #
 # `bash benchmarks/v5_next.sh extract SHA` (here, before the call) writes SHA's src tree
 # to _ab/SHA/src, which travels with the working tree (untracked): session 37 timed a
@@ -52,27 +54,26 @@ case $CARD in
     exit 1
     ;;
 esac
-BASE=${BASE:-e14253824fb00aad5df66eb6932fef1385060e3d}
-AB=${AB:-_ab} # where `extract` put the base tree
-if [ ! -d "$AB/$BASE/src" ]; then
-  echo "$AB/$BASE/src is missing: run 'bash benchmarks/v5_next.sh extract $BASE' first" >&2
-  exit 1
+mkdir -p "$OUT/ab" "$OUT/k"
+if [ "${1:-}" = figure ]; then
+  step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
+  exit $fail
 fi
-mkdir -p "$OUT/ab"
-step 80 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_v5.py -k "on_gpu and reference and (ahead or prefetch) and not (l2 or stored or 16384) and 1024"
-configs=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
+step 100 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+  tests/test_kernels_v5.py -k "on_gpu and early_loads"
+bases=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
   ranks_t16384_c8_s16_u2_v32_pf_sn16)
+configs=()
 case $CARD in
-  *H200*) configs+=(ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2) ;;
+  *H200*)
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
+    bases+=(ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2)
+    configs+=(v5_t2048_w4_u4)
+    ;;
 esac
-for round in $(seq "${ROUNDS:-2}"); do
-  for tree in base this; do
-    src=src sha=$SHA
-    [ $tree = base ] && src=$AB/$BASE/src sha=$BASE
-    PYTHONPATH=$src step 70 "$OUT/ab/${tree}_$round.log" python3 benchmarks/dispatch_v5.py \
-      --out "$OUT/ab/${tree}_$round" --git-sha "$sha" --no-check --workloads large \
-      --worlds 256 1024 2048 --configs "${configs[@]}"
-  done
+for b in "${bases[@]}"; do
+  configs+=("$b" "${b}_early")
 done
+step 250 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+  --no-check --workloads large --worlds 64 256 512 1024 2048 --configs "${configs[@]}"
 exit $fail

@@ -762,11 +762,30 @@ def _v5_scatter_kernel(
 
 
 @gluon.jit
+def _r1_first(values_ptr, start, wloc, wend, AHEAD: gl.constexpr):
+    """The ordered loop's first AHEAD (2 or 4) chunks of 32 ids of each warp's sub-range
+    (lane ids wloc, sub-range end wend; 0 past it); with AHEAD = 2 the last two repeat
+    the second."""
+    ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
+    ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend, other=0)
+    ids_2 = ids_2.to(gl.int64)
+    ids_3 = ids_2
+    ids_4 = ids_2
+    if AHEAD == 4:
+        ids_3 = gl.load(values_ptr + start + wloc + 64, mask=wloc + 64 < wend, other=0)
+        ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend, other=0)
+        ids_3 = ids_3.to(gl.int64)
+        ids_4 = ids_4.to(gl.int64)
+    return ids_1, ids_2, ids_3, ids_4
+
+
+@gluon.jit
 def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
+                EARLY: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -786,7 +805,9 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     and r2 reads the dest instead of mapping the id again.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
-    stores in r2. 0 compiles the full kernel."""
+    stores in r2. 0 compiles the full kernel.
+    EARLY (``V5Config(early_loads=True)``): the ordered loop's first chunks of ids are
+    requested before the per-warp counters are zeroed instead of after."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -824,21 +845,8 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     wloc = w * SUB + lane
     wend = gl.minimum(n_t, w * SUB + SUB)
     if not DST:
-        # the first AHEAD chunks' ids are requested before the counters are zeroed, so
-        # that their latency overlaps the zeroing and its barrier (session 41: the first
-        # chunk's wait held 15% of the W = 1024 scatter's stall samples on an H100,
-        # `ncu_v5_sass_w1024_h100_7024f25.csv`); then the loads of chunk c + AHEAD are
-        # issued before chunk c is ranked; AHEAD = 2 or 4
-        ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < wend, other=0).to(gl.int64)
-        ids_2 = gl.load(values_ptr + start + wloc + 32, mask=wloc + 32 < wend,
-                        other=0).to(gl.int64)  # fmt: skip
-        ids_3 = ids_2
-        ids_4 = ids_2
-        if AHEAD == 4:
-            ids_3 = gl.load(values_ptr + start + wloc + 64, mask=wloc + 64 < wend,
-                            other=0).to(gl.int64)  # fmt: skip
-            ids_4 = gl.load(values_ptr + start + wloc + 96, mask=wloc + 96 < wend,
-                            other=0).to(gl.int64)  # fmt: skip
+        if EARLY:  # the ordered loop's first chunks in flight during the zeroing
+            ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
     _zero_words(WC, WC_WORDS, e, CH)
     if DST:
         for c in range(0, SUB, 32):
@@ -849,6 +857,10 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
     else:
+        # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
+        # issued before chunk c is ranked); AHEAD = 2 or 4
+        if not EARLY:
+            ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
@@ -946,6 +958,7 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
+    EARLY: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -972,15 +985,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP)  # fmt: skip
+                        True, L2PF, SKIP, EARLY)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP)  # fmt: skip
+                        False, L2PF, SKIP, EARLY)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP)  # fmt: skip
+                    L2PF, SKIP, EARLY)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1090,6 +1103,12 @@ class V5Config:
         by `default_config_v5`. On one H100 (`dispatch_v5_diagskip_h100_b96ca4f.json`), W =
         1024, the default's scatter: 0.999 ms, 0.726 without the write-out, 0.687 without
         any global store (the whole call 0.418 -> 0.508 / 0.529 of the HBM floor).
+    early_loads: with ``scatter="ranks"`` and ``dests="recompute"``, the ordered loop's
+        first chunks of ids are requested before the per-warp counters are zeroed, so
+        that their latency overlaps the zeroing and its barrier (Nsight Compute at
+        W = 1024 on an H100, `ncu_v5_sass_w1024_h100_7024f25.csv`: the wait for the first
+        chunk held 15% of the scatter's stall samples). Written in session 41, not yet
+        timed (no device came for it); opt-in until an A/B adopts it.
     """
 
     tile: int = 4096
@@ -1109,6 +1128,7 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
+    early_loads: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1233,6 +1253,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
+        meta["EARLY"] = cfg.early_loads
     return meta
 
 
@@ -1270,6 +1291,13 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"diag_skip must be 0, 1, 2 or 3, got {cfg.diag_skip!r}")
     if cfg.diag_skip and cfg.scatter != "ranks":
         raise ValueError(f'diag_skip > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
+    if not isinstance(cfg.early_loads, bool):
+        raise ValueError(f"early_loads must be True or False, got {cfg.early_loads!r}")
+    if cfg.early_loads and (cfg.scatter != "ranks" or cfg.dests != "recompute"):
+        raise ValueError(
+            'early_loads=True is an option of scatter="ranks" with dests="recompute", got '
+            f"scatter={cfg.scatter!r}, dests={cfg.dests!r}"
+        )
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
