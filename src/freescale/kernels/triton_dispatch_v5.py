@@ -840,14 +840,14 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         # lane 0 of each warp: its sub-range's ids into L2 in one request
         first = values_ptr + start + gl.minimum(w * SUB, n_t)
         _l2_prefetch(first, values_ptr + start + gl.minimum(w * SUB + SUB, n_t), lane == 0)
-    # (r1) per warp, in input order: rank within the warp among ids of the same dest
-    # (match.any peers + the warp's running count) to RNK
-    wloc = w * SUB + lane
+    wloc = w * SUB + lane  # warp w's lanes in r1
     wend = gl.minimum(n_t, w * SUB + SUB)
     if not DST:
         if EARLY:  # the ordered loop's first chunks in flight during the zeroing
             ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
     _zero_words(WC, WC_WORDS, e, CH)
+    # (r1) per warp, in input order: rank within the warp among ids of the same dest
+    # (match.any peers + the warp's running count) to RNK
     if DST:
         for c in range(0, SUB, 32):
             loc = wloc + c
