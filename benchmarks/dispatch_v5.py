@@ -247,10 +247,6 @@ for _base in H100_BASES:
 for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
-# session 41: the ordered loop's first ids requested before the per-warp counters are
-# zeroed (`V5Config(early_loads=True)`), on both tables' ranks configs
-for _base in (*H100_BASES, "ranks_t2048_c4_s8_u4", "ranks_t4096_c8_s16_u2"):
-    CONFIGS[f"{_base}_early"] = {**CONFIGS[_base], "early_loads": True}
 
 
 def _diff(a, b) -> list[str]:

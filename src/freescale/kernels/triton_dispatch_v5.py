@@ -784,8 +784,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
-                EARLY: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -805,9 +804,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     and r2 reads the dest instead of mapping the id again.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
-    stores in r2. 0 compiles the full kernel.
-    EARLY (``V5Config(early_loads=True)``): the ordered loop's first chunks of ids are
-    requested before the per-warp counters are zeroed instead of after."""
+    stores in r2. 0 compiles the full kernel."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // NW  # ids of warp w: [w * SUB, (w + 1) * SUB)
     VAL: gl.constexpr = 0
@@ -842,9 +839,6 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         _l2_prefetch(first, values_ptr + start + gl.minimum(w * SUB + SUB, n_t), lane == 0)
     wloc = w * SUB + lane  # warp w's lanes in r1
     wend = gl.minimum(n_t, w * SUB + SUB)
-    if not DST:
-        if EARLY:  # the ordered loop's first chunks in flight during the zeroing
-            ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
     _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
@@ -859,8 +853,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     else:
         # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
         # issued before chunk c is ranked); AHEAD = 2 or 4
-        if not EARLY:
-            ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
+        ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
@@ -958,7 +951,6 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
-    EARLY: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -985,15 +977,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP, EARLY)  # fmt: skip
+                        True, L2PF, SKIP)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP, EARLY)  # fmt: skip
+                        False, L2PF, SKIP)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP, EARLY)  # fmt: skip
+                    L2PF, SKIP)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1103,12 +1095,6 @@ class V5Config:
         by `default_config_v5`. On one H100 (`dispatch_v5_diagskip_h100_b96ca4f.json`), W =
         1024, the default's scatter: 0.999 ms, 0.726 without the write-out, 0.687 without
         any global store (the whole call 0.418 -> 0.508 / 0.529 of the HBM floor).
-    early_loads: with ``scatter="ranks"`` and ``dests="recompute"``, the ordered loop's
-        first chunks of ids are requested before the per-warp counters are zeroed, so
-        that their latency overlaps the zeroing and its barrier (Nsight Compute at
-        W = 1024 on an H100, `ncu_v5_sass_w1024_h100_7024f25.csv`: the wait for the first
-        chunk held 15% of the scatter's stall samples). Written in session 41, not yet
-        timed (no device came for it); opt-in until an A/B adopts it.
     """
 
     tile: int = 4096
@@ -1128,7 +1114,6 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
-    early_loads: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1160,9 +1145,20 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     (`dispatch_v5_bigw_h100_d1eca03.json`): W = 1536 1.927 ms (16384) against 2.247
     (8192) and 2.194 (4096); W = 3072 and 4096, where 16384-id tiles do not fit, 3.051
     and 3.392 ms (8192) against 3.680 and 4.099 (4096).
+
+    `CANDIDATE_TABLE` (``FREESCALE_V5_TABLE=H200_H100BIG``, a benchmark knob): the H200
+    table below W = 512 and the H100's from W = 512 (int32 staging, 8192- or 16384-id
+    tiles, placement prefetch, int16 snapshots), the candidate for the H200 from session
+    42 on: those options were tuned on H100s (sessions 35-36) while no H200 came, and on
+    the H100 they beat the H200 table's choices by 18-34% at W = 512 .. 2048
+    (`dispatch_v5_early_h100_0f2871b.json`: 1.240 against 1.432 ms at W = 512, 1.505
+    against 1.839 at W = 1024).
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-    if device_name is not None and "H100" in device_name:
+    h100 = device_name is not None and "H100" in device_name
+    if device_name == CANDIDATE_TABLE:  # the H200 candidate: the H100's choices from 512
+        h100 = world_size >= 512
+    if h100:
         if world_size < 512:
             return dataclasses.replace(big, snaps="int16")
         tile = 16384 if 1024 < world_size <= 2048 else 8192
@@ -1182,15 +1178,18 @@ def device_name(device: torch.device) -> str:
 
 
 TABLE_ENV = "FREESCALE_V5_TABLE"
+CANDIDATE_TABLE = "NVIDIA H200 (FREESCALE_V5_TABLE=H200_H100BIG: the H100 table from W = 512)"
 TABLE_CARDS = {
     "H100": "NVIDIA H100 (FREESCALE_V5_TABLE)",
     "H200": "NVIDIA H200 (FREESCALE_V5_TABLE)",
+    "H200_H100BIG": CANDIDATE_TABLE,
 }
 
 
 def table_name(card: Optional[str]) -> Optional[str]:
     """The card name `default_config_v5` picks its table by: `card` (the tensors' card),
-    unless ``FREESCALE_V5_TABLE`` is "H100" or "H200". That override is a benchmark knob:
+    unless ``FREESCALE_V5_TABLE`` is "H100", "H200" or "H200_H100BIG" (`CANDIDATE_TABLE`,
+    see `default_config_v5`). That override is a benchmark knob:
     one GPU call can time the other card's table next to the A/B that decides whether to
     adopt it (`benchmarks/kernels.py` records it). Same bits either way."""
     forced = os.environ.get(TABLE_ENV, "")
@@ -1253,7 +1252,6 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
-        meta["EARLY"] = cfg.early_loads
     return meta
 
 
@@ -1291,13 +1289,6 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"diag_skip must be 0, 1, 2 or 3, got {cfg.diag_skip!r}")
     if cfg.diag_skip and cfg.scatter != "ranks":
         raise ValueError(f'diag_skip > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
-    if not isinstance(cfg.early_loads, bool):
-        raise ValueError(f"early_loads must be True or False, got {cfg.early_loads!r}")
-    if cfg.early_loads and (cfg.scatter != "ranks" or cfg.dests != "recompute"):
-        raise ValueError(
-            'early_loads=True is an option of scatter="ranks" with dests="recompute", got '
-            f"scatter={cfg.scatter!r}, dests={cfg.dests!r}"
-        )
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.ahead not in (2, 4):
