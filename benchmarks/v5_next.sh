@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   both cards: session 41's `early_loads` (the ranks scatter's ordered loop requests its
-#         first chunks of ids before the per-warp counters are zeroed; written, but no
-#         device came to time it): its GPU cases, then the A/B at 2^26 ids
-#         (`dispatch_v5.py --no-check`, every timed call still compared with v4's output)
-#         of the card's table configs with and without it (`_early`), W = 64 .. 2048.
-#   H200: also `check_kernels_cuda.py --only auto`, and the A/B holds both tables'
-#         configs (the H200 table's against the H100's: the question no H200 came for in
-#         sessions 35-41). The figure is a second call (`v5_next.sh figure`, with
-#         FREESCALE_V5_TABLE if the A/B picks the H100 table) once the A/B is read.
-#   Session 41's first call (`dispatch_v5_ballot_persist_h100_4ad8887.json`) timed two
+#   H200: the question no H200 came for in sessions 35-42: the H100's large-W options
+#         (int32 staging, 8192/16384-id tiles, placement prefetch, int16 snapshots; on the
+#         H100 18-34% faster than the H200 table's choices at W = 512 .. 2048) on the H200.
+#         `check_kernels_cuda.py --only auto`; the A/B at 2^26 ids with
+#         FREESCALE_V5_TABLE=H200_H100BIG (`triton_dispatch_v5.CANDIDATE_TABLE`: row
+#         "v5_default" runs the candidate, "v5_h200_table" the H200 table of record; every
+#         timed call compared with v4's output); then the figure (`kernels.py`), under the
+#         candidate table if it won at W = 1024 (the figure records FREESCALE_V5_TABLE, and
+#         the next session adopts the candidate in `default_config_v5` to match), else the
+#         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`).
+#   H100: its table below W = 512 against the H200 table's smaller tiles (session 42's
+#         A/B, `dispatch_v5_early_h100_0f2871b.json`, had the H200 table's choice ahead at
+#         W = 64: 0.929 against 0.948 ms), W = 8 .. 256, with int16 snapshots too.
+#   Session 42's call (`dispatch_v5_early_h100_0f2871b.json`) timed `early_loads` (no
+#   effect; reverted); session 41's (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two
 #   options since reverted; session 40's (`dispatch_v5_diagskip_h100_b96ca4f.json`) the
 #   scatter without its stores.
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
-#     OUT=DIR GIT_SHA=SHA bash benchmarks/v5_next.sh [figure]
+#     OUT=DIR GIT_SHA=SHA bash benchmarks/v5_next.sh
 #
 # `bash benchmarks/v5_next.sh extract SHA` (here, before the call) writes SHA's src tree
 # to _ab/SHA/src, which travels with the working tree (untracked): session 37 timed a
@@ -38,7 +43,7 @@ step() { # step SECONDS LOG CMD...: run CMD under a time limit into LOG, record 
   local limit=$1 log=$2
   shift 2
   if [ -n "${DRY:-}" ]; then
-    echo "would run (${limit} s, > $log): $*"
+    echo "would run (${limit} s, > $log): ${FREESCALE_V5_TABLE:+FREESCALE_V5_TABLE=$FREESCALE_V5_TABLE }$*"
     return
   fi
   timeout "$limit" "$@" > "$log" 2>&1
@@ -55,25 +60,32 @@ case $CARD in
     ;;
 esac
 mkdir -p "$OUT/ab" "$OUT/k"
-if [ "${1:-}" = figure ]; then
-  step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
-  exit $fail
-fi
-step 100 "$OUT/v5_gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_v5.py -k "on_gpu and early_loads"
-bases=(ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16
-  ranks_t16384_c8_s16_u2_v32_pf_sn16)
-configs=()
+ab() { # ab SECONDS WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no separate check
+  step "$1" "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
+    --no-check --workloads large --worlds $2 --configs $3
+}
 case $CARD in
   *H200*)
     step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
-    bases+=(ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2)
-    configs+=(v5_t2048_w4_u4)
+    FREESCALE_V5_TABLE=H200_H100BIG ab 120 "256 512 1024 2048" \
+      "ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t4096_c8_s16_u2_sn16"
+    # the candidate's table for the figure if it beat the H200 table at W = 1024
+    table=$(python3 - "$OUT/ab/dispatch_v5.json" << 'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+    ms = {r["impl"]: r["ms"] for r in rows if r["world"] == 1024}
+    print("H200_H100BIG" if ms["v5_default"] < ms["v5_h200_table"] else "")
+except Exception as e:  # no A/B: the table of record
+    print(f"no A/B result ({e!r}): the H200 table", file=sys.stderr)
+PY
+    )
+    echo "figure table: ${table:-H200 (of record)}"
+    FREESCALE_V5_TABLE=$table step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py \
+      --out "$OUT/k" --git-sha "$SHA"
+    ;;
+  *)
+    ab 150 "8 16 32 64 128 256" "ranks_t2048_c4_s8_u4_sn16 ranks_t2048_c4_s8_u4 v5_t2048_w4_u4"
     ;;
 esac
-for b in "${bases[@]}"; do
-  configs+=("$b" "${b}_early")
-done
-step 250 "$OUT/ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/ab" --git-sha "$SHA" \
-  --no-check --workloads large --worlds 64 256 512 1024 2048 --configs "${configs[@]}"
 exit $fail
