@@ -3,7 +3,8 @@
 #
 #   H200: the question no H200 came for in sessions 35-42: the H100's large-W options
 #         (int32 staging, 8192/16384-id tiles, placement prefetch, int16 snapshots; on the
-#         H100 18-34% faster than the H200 table's choices at W = 512 .. 2048) on the H200.
+#         H100 13-34% less time than the H200 table's choices at W = 512 .. 2048) on the
+#         H200.
 #         `check_kernels_cuda.py --only auto`; the A/B at 2^26 ids with
 #         FREESCALE_V5_TABLE=H200_H100BIG (`triton_dispatch_v5.CANDIDATE_TABLE`: row
 #         "v5_default" runs the candidate, "v5_h200_table" the H200 table of record; every
@@ -11,13 +12,14 @@
 #         candidate table if it won at W = 1024 (the figure records FREESCALE_V5_TABLE, and
 #         the next session adopts the candidate in `default_config_v5` to match), else the
 #         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`).
-#   H100: its table below W = 512 against the H200 table's smaller tiles (session 42's
-#         A/B, `dispatch_v5_early_h100_0f2871b.json`, had the H200 table's choice ahead at
-#         W = 64: 0.929 against 0.948 ms), W = 8 .. 256, with int16 snapshots too.
-#   Session 42's call (`dispatch_v5_early_h100_0f2871b.json`) timed `early_loads` (no
-#   effect; reverted); session 41's (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two
-#   options since reverted; session 40's (`dispatch_v5_diagskip_h100_b96ca4f.json`) the
-#   scatter without its stores.
+#   H100: `check_kernels_cuda.py --only auto` and the H100 figure (`kernels.py`, file
+#         `kernels_h100_<sha>.json` once fetched) after session 42's table change below
+#         W = 32 (2048-id tiles: `dispatch_v5_smallw_h100_75402d3.json`).
+#   Session 42's calls timed `early_loads` (`dispatch_v5_early_h100_0f2871b.json`: no
+#   effect; reverted) and the H100's small-W table (`dispatch_v5_smallw_h100_75402d3.json`);
+#   session 41's (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two options since
+#   reverted; session 40's (`dispatch_v5_diagskip_h100_b96ca4f.json`) the scatter without
+#   its stores.
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
@@ -85,7 +87,8 @@ PY
       --out "$OUT/k" --git-sha "$SHA"
     ;;
   *)
-    ab 150 "8 16 32 64 128 256" "ranks_t2048_c4_s8_u4_sn16 ranks_t2048_c4_s8_u4 v5_t2048_w4_u4"
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
+    step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
 esac
 exit $fail

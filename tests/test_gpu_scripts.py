@@ -72,9 +72,9 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
         assert "check_kernels_cuda.py" in steps[0], steps
         assert "FREESCALE_V5_TABLE=H200_H100BIG" in steps[1] and "dispatch_v5.py" in steps[1]
         assert "benchmarks/kernels.py" in steps[-1], steps
-    else:  # the H100's small-W table question, one A/B
-        assert len(steps) == 1 and "dispatch_v5.py" in steps[0], steps
-        assert "--worlds 8 16 32 64 128 256" in steps[0], steps
+    else:  # v5's defaults checked, then the H100 figure
+        assert len(steps) == 2 and "check_kernels_cuda.py" in steps[0], steps
+        assert "benchmarks/kernels.py" in steps[1], steps
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|ncu-config) ([\w ]+?)(?: --|$)", step):

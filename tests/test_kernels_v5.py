@@ -131,12 +131,18 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     assert v5.default_config_v5(32).scatter == "ranks"
     assert v5.default_config_v5(257).scatter_warps == 16
     assert v5.default_config_v5(1024).tile == 4096  # H200 table: timed with 4096-id tiles
-    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 4096-id tiles but
-        for world in range(1, v5.V5_MAX_WORLD + 1):  # from W = 512 (int32 staging)
-            cfg = v5.default_config_v5(world, name)
-            tile = 4096 if world < 512 else 16384 if 1024 < world <= 2048 else 8192
-            assert (cfg.tile, cfg.staging) == (tile, "int64" if tile == 4096 else "int32")
-            assert cfg.scatter == "ranks" and cfg.scatter_warps == 16, (name, world)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 2048-id tiles below
+        for world in range(1, v5.V5_MAX_WORLD + 1):  # W = 32 (session 42), 4096-id tiles
+            cfg = v5.default_config_v5(world, name)  # to 511, int32 staging from 512
+            small = world < 32
+            tile = (
+                2048 if small else 4096 if world < 512 else 16384 if 1024 < world <= 2048 else 8192
+            )
+            assert (cfg.tile, cfg.staging) == (tile, "int32" if tile > 4096 else "int64")
+            assert cfg.scatter == "ranks", (name, world)
+            assert (cfg.scatter_warps, cfg.count_warps, cfg.unroll) == (
+                (8, 4, 4) if small else (16, 8, 2)
+            ), (name, world)
             # session 36: int16 snapshots everywhere, placement prefetch from W = 512
             assert (cfg.snaps, cfg.prefetch) == ("int16", world >= 512), (name, world)
             assert v5.v5_supported(world, None, cfg), (name, world)

@@ -1126,7 +1126,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
     and 16 warps (8 counting), 2 ids per thread and pass.
 
-    H100 ("H100" in the name): that 4096-id config below W = 512; from W = 512 the same
+    H100 ("H100" in the name): below W = 32 the ranks scatter with 2048-id tiles, 8 warps
+    (4 counting), 4 ids per thread and int16 snapshots (session 42, at 75402d3,
+    `dispatch_v5_smallw_h100_75402d3.json`: 0.832 / 0.850 ms at W = 8 / 16 against 0.884 /
+    0.895 for the 4096-id config; tied at W = 32 and 64, 0.941 / 0.950 against 0.947 /
+    0.952; behind from W = 128, 1.293 against 1.034); the 4096-id config from W = 32 to
+    511; from W = 512 the same
     warps with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
     (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there), and
     placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
@@ -1150,7 +1155,7 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     table below W = 512 and the H100's from W = 512 (int32 staging, 8192- or 16384-id
     tiles, placement prefetch, int16 snapshots), the candidate for the H200 from session
     42 on: those options were tuned on H100s (sessions 35-36) while no H200 came, and on
-    the H100 they beat the H200 table's choices by 18-34% at W = 512 .. 2048
+    the H100 they took 13-34% less time than the H200 table's choices at W = 512 .. 2048
     (`dispatch_v5_early_h100_0f2871b.json`: 1.240 against 1.432 ms at W = 512, 1.505
     against 1.839 at W = 1024).
     """
@@ -1159,6 +1164,9 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     if device_name == CANDIDATE_TABLE:  # the H200 candidate: the H100's choices from 512
         h100 = world_size >= 512
     if h100:
+        if world_size < 32:  # session 42 (dispatch_v5_smallw_h100_75402d3.json)
+            return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
+                            snaps="int16")  # fmt: skip
         if world_size < 512:
             return dataclasses.replace(big, snaps="int16")
         tile = 16384 if 1024 < world_size <= 2048 else 8192
