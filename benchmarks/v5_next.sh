@@ -4,17 +4,16 @@
 #   H200: the question no H200 came for in sessions 35-42: the H100's large-W options
 #         (int32 staging, 8192/16384-id tiles, placement prefetch, int16 snapshots; on the
 #         H100 13-34% less time than the H200 table's choices at W = 512 .. 2048) on the
-#         H200.
-#         `check_kernels_cuda.py --only auto`; the A/B at 2^26 ids with
-#         FREESCALE_V5_TABLE=H200_H100BIG (`triton_dispatch_v5.CANDIDATE_TABLE`: row
+#         H200. The A/B at 2^26 ids with FREESCALE_V5_TABLE=H200_H100BIG (`triton_dispatch_v5.CANDIDATE_TABLE`: row
 #         "v5_default" runs the candidate, "v5_h200_table" the H200 table of record; every
 #         timed call compared with v4's output); then the figure (`kernels.py`), under the
 #         candidate table if it won at W = 1024 (the figure records FREESCALE_V5_TABLE, and
 #         the next session adopts the candidate in `default_config_v5` to match), else the
-#         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`).
-#   H100: `check_kernels_cuda.py --only auto` and the H100 figure (`kernels.py`, file
-#         `kernels_h100_<sha>.json` once fetched) after session 42's table change below
-#         W = 32 (2048-id tiles: `dispatch_v5_smallw_h100_75402d3.json`).
+#         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`);
+#         then `check_kernels_cuda.py --only auto`.
+#   H100: the H100 figure (`kernels.py`, file `kernels_h100_<sha>.json` once fetched)
+#         after session 42's table change below W = 32 (2048-id tiles:
+#         `dispatch_v5_smallw_h100_75402d3.json`), then `check_kernels_cuda.py --only auto`.
 #   Session 42's calls timed `early_loads` (`dispatch_v5_early_h100_0f2871b.json`: no
 #   effect; reverted) and the H100's small-W table (`dispatch_v5_smallw_h100_75402d3.json`);
 #   session 41's (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two options since
@@ -68,7 +67,6 @@ ab() { # ab SECONDS WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no separat
 }
 case $CARD in
   *H200*)
-    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
     FREESCALE_V5_TABLE=H200_H100BIG ab 120 "256 512 1024 2048" \
       "ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t4096_c8_s16_u2_sn16"
     # the candidate's table for the figure if it beat the H200 table at W = 1024
@@ -85,10 +83,13 @@ PY
     echo "figure table: ${table:-H200 (of record)}"
     FREESCALE_V5_TABLE=$table step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py \
       --out "$OUT/k" --git-sha "$SHA"
+    # last, so that a call cut short by the device time left keeps the figure (kernels.py
+    # checks every output it times against the reference itself)
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
     ;;
   *)
-    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
     step 290 "$OUT/k/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
     ;;
 esac
 exit $fail
