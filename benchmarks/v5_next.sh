@@ -4,8 +4,8 @@
 #   H200: the question no H200 came for in sessions 35-42: the H100's large-W options
 #         (int32 staging, 8192/16384-id tiles, placement prefetch, int16 snapshots; on the
 #         H100 13-34% less time than the H200 table's choices at W = 512 .. 2048) on the
-#         H200. The A/B at 2^26 ids with FREESCALE_V5_TABLE=H200_H100BIG (`triton_dispatch_v5.CANDIDATE_TABLE`: row
-#         "v5_default" runs the candidate, "v5_h200_table" the H200 table of record; every
+#         H200. The A/B at 2^26 ids with FREESCALE_V5_TABLE=H200_H100BIG
+#         (`triton_dispatch_v5.CANDIDATE_TABLE`: row "v5_default" runs the candidate, "v5_h200_table" the H200 table of record; every
 #         timed call compared with v4's output); then the figure (`kernels.py`), under the
 #         candidate table if it won at W = 1024 (the figure records FREESCALE_V5_TABLE, and
 #         the next session adopts the candidate in `default_config_v5` to match), else the
