@@ -1131,8 +1131,8 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     `dispatch_v5_smallw_h100_75402d3.json`: 0.832 / 0.850 ms at W = 8 / 16 against 0.884 /
     0.895 for the 4096-id config; tied at W = 32 and 64, 0.941 / 0.950 against 0.947 /
     0.952; behind from W = 128, 1.293 against 1.034); the 4096-id config from W = 32 to
-    511; from W = 512 the same
-    warps with int32 staging and larger tiles: 8192 ids, but 16384 from W = 1025 to 2048
+    511; from W = 512 the same warps with int32 staging and larger tiles: 8192 ids, but
+    16384 from W = 1025 to 2048
     (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there), and
     placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
     `dispatch_v5_pfsn_h100_ad89623.json`: W = 1024 1.484 against 1.541 ms, W = 2048 1.910
