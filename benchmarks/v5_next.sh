@@ -9,7 +9,9 @@
 #         timed call compared with v4's output); then the figure (`kernels.py`), under the
 #         candidate table if it won at W = 1024 (the figure records FREESCALE_V5_TABLE, and
 #         the next session adopts the candidate in `default_config_v5` to match), else the
-#         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`);
+#         H200 table (a fresh figure: the last H200 one is session 30's, `37c46f9`); the
+#         A/B also times W = 64 .. 256 with int16 snapshots on the H200 table's 2048-id
+#         config (`ranks_t2048_c4_s8_u4_sn16`);
 #         then `check_kernels_cuda.py --only auto`.
 #   H100: nothing (session 43 ran the H100 figure after session 42's table change below
 #         W = 32: `kernels_h100_d37773f.json`).
@@ -66,8 +68,10 @@ ab() { # ab SECONDS WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no separat
 }
 case $CARD in
   *H200*)
-    FREESCALE_V5_TABLE=H200_H100BIG ab 120 "256 512 1024 2048" \
-      "ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t4096_c8_s16_u2_sn16"
+    # W = 64 .. 256 with the H200 table's 2048-id config plus int16 snapshots (never timed
+    # on an H200; on the H100 never slower) next to v5_default, the H200 table there
+    FREESCALE_V5_TABLE=H200_H100BIG ab 150 "64 128 256 512 1024 2048" \
+      "ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t4096_c8_s16_u2_sn16 ranks_t2048_c4_s8_u4_sn16"
     # the candidate's table for the figure if it beat the H200 table at W = 1024
     table=$(python3 - "$OUT/ab/dispatch_v5.json" << 'PY'
 import json, sys
