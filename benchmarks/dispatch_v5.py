@@ -23,7 +23,9 @@ bandwidth. Usage (one H200, ~2-3 min):
 
 Writes DIR/dispatch_v5.json (figure, device, git sha, date, command, rows, headline:
 per W the default's fraction of the floor and the best config timed; at W = 1024
-`v5_fraction_of_hbm_floor_w1024`, `v4_fraction_of_hbm_floor_w1024`, the best v5 config).
+`v5_fraction_of_hbm_floor_w1024`, `v4_fraction_of_hbm_floor_w1024`, the best v5 config),
+also after every W with a field "partial" (where the rows stop), so that a run cut short
+still leaves its rows in the file; the finished file has no "partial".
 ``--rehead FILE`` recomputes the headline of an existing file from its rows.
 """
 
@@ -465,6 +467,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1 if bad else 0
 
     bw = copy_bandwidth(dev, 1 << 30)
+    report["copy_bandwidth_gbs"] = bw / 1e9
     rows: list[dict[str, Any]] = []
     workloads = {}
     for name, batch, total in (("large", 8192, 1 << 26), ("per_rank", 128, None)):
@@ -510,8 +513,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(row)
                 print(f"{name:8s} W={w:5d} {impl:20s} {ms:7.3f} ms  floor {floor_ms:.3f}  "
                       f"fraction {floor_ms / ms:.3f}", flush=True)  # fmt: skip
+            # the rows so far, after every W: a call cut short (device time, a timeout)
+            # still brings back a JSON file; "partial" says where it stopped
+            report["rows"] = rows
+            report["partial"] = f"rows through {name} W={w}; the run had not ended"
+            report["headline"] = headline(rows)
+            write_figure(args.out, report)
+    report.pop("partial", None)
     report["rows"] = rows
-    report["copy_bandwidth_gbs"] = bw / 1e9
     report["workloads"] = {
         k: {"n": wl["n"], "keys": 4, "batch": wl["batch"], "values": str(wl["values"].dtype)}
         for k, wl in workloads.items()

@@ -70,6 +70,8 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     if "H200" in card:  # the candidate table's A/B, the figure, v5's defaults checked
         assert "FREESCALE_V5_TABLE=H200_H100BIG" in steps[0] and "dispatch_v5.py" in steps[0]
+        # W = 1024 first: dispatch_v5.py writes rows after every W, so a cut A/B decides
+        assert "--worlds 1024 " in steps[0], steps[0]
         assert "benchmarks/kernels.py" in steps[1], steps
         assert "check_kernels_cuda.py" in steps[2], steps  # last: a cut call keeps the figure
     else:  # the H100 figure at d37773f is current: nothing to run there
@@ -81,19 +83,27 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
             assert not missing, (card, missing)
 
 
-@pytest.mark.parametrize("candidate_ms, table", [(1.2, "H200_H100BIG"), (1.7, None)])
+@pytest.mark.parametrize(
+    "candidate_ms, table, partial",
+    [(1.2, "H200_H100BIG", False), (1.7, None, False), (1.2, "H200_H100BIG", True)],
+)
 def test_v5_next_figure_takes_the_table_that_won_at_w1024(
-    tmp_path: Path, candidate_ms: float, table: str | None
+    tmp_path: Path, candidate_ms: float, table: str | None, partial: bool
 ) -> None:
     """On an H200 the figure runs under the candidate table only if the A/B's row
-    "v5_default" (the candidate) beat "v5_h200_table" at W = 1024."""
+    "v5_default" (the candidate) beat "v5_h200_table" at W = 1024, also when the A/B was
+    cut short after W = 1024 (dispatch_v5.py's file then says "partial")."""
     (tmp_path / "ab").mkdir()
     rows = [
         {"world": 1024, "impl": "v5_default", "ms": candidate_ms},
         {"world": 1024, "impl": "v5_h200_table", "ms": 1.5},
-        {"world": 512, "impl": "v5_default", "ms": 0.1},
     ]
-    (tmp_path / "ab" / "dispatch_v5.json").write_text(json.dumps({"rows": rows}))
+    report: dict = {"rows": rows}
+    if partial:
+        report["partial"] = "rows through large W=1024; the run had not ended"
+    else:
+        rows.append({"world": 512, "impl": "v5_default", "ms": 0.1})
+    (tmp_path / "ab" / "dispatch_v5.json").write_text(json.dumps(report))
     done = _plan(tmp_path, "NVIDIA H200")
     assert done.returncode == 0, done.stderr
     figure = [line for line in done.stdout.splitlines() if "benchmarks/kernels.py" in line]
