@@ -68,10 +68,10 @@ ab() { # ab SECONDS WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no separat
 }
 case $CARD in
   *H200*)
-    # W = 64 .. 256 with the H200 table's 2048-id config plus int16 snapshots (never timed
-    # on an H200; on the H100 never slower) next to v5_default, the H200 table there
     # W = 1024 first: the figure's table is picked there, and dispatch_v5.py writes its
-    # rows after every W, so a call cut short still decides it
+    # rows after every W, so a call cut short still decides it. At W = 64 .. 256 the
+    # 2048-id config with int16 snapshots (never timed on an H200; on the H100 never
+    # slower) runs next to v5_default, which is the H200 table there
     FREESCALE_V5_TABLE=H200_H100BIG ab 150 "1024 512 2048 256 128 64" \
       "ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t4096_c8_s16_u2_sn16 ranks_t2048_c4_s8_u4_sn16"
     # the candidate's table for the figure if it beat the H200 table at W = 1024
