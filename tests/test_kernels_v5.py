@@ -130,7 +130,12 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     assert v5.default_config_v5(31).scatter == "staged"
     assert v5.default_config_v5(32).scatter == "ranks"
     assert v5.default_config_v5(257).scatter_warps == 16
-    assert v5.default_config_v5(1024).tile == 4096  # H200 table: timed with 4096-id tiles
+    # from W = 512 both cards run the H100's large-W choices (the H200 since session 44)
+    assert v5.default_config_v5(511).tile == 4096
+    big = {1024: 8192, 1025: 16384, 2048: 16384, 2049: 8192}
+    for world, tile in big.items():
+        cfg = v5.default_config_v5(world)
+        assert (cfg.tile, cfg.staging, cfg.prefetch, cfg.snaps) == (tile, "int32", True, "int16")
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 2048-id tiles below
         for world in range(1, v5.V5_MAX_WORLD + 1):  # W = 32 (session 42), 4096-id tiles
             cfg = v5.default_config_v5(world, name)  # to 511, int32 staging from 512
@@ -149,7 +154,10 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     for name in ("NVIDIA H200", "NVIDIA GH200 480GB", None):  # the H200 table
         assert v5.default_config_v5(8, name) == v5.default_config_v5(8)
         assert v5.default_config_v5(64, name).tile == 2048
-        assert v5.default_config_v5(1024, name).snaps == "int32"  # not timed on an H200
+        assert v5.default_config_v5(256, name).snaps == "int32"  # as kernels.json ran it
+        for world in (512, 1024, 2048, 4096):  # session 44: the H100's choices from 512
+            h100 = v5.default_config_v5(world, "NVIDIA H100 80GB HBM3")
+            assert v5.default_config_v5(world, name) == h100
 
 
 def test_table_override_names_the_other_cards_table(monkeypatch) -> None:
@@ -160,17 +168,13 @@ def test_table_override_names_the_other_cards_table(monkeypatch) -> None:
     monkeypatch.delenv(v5.TABLE_ENV, raising=False)
     assert v5.table_name(h200) == h200 and v5.table_name(None) is None
     monkeypatch.setenv(v5.TABLE_ENV, "H100")
-    assert v5.default_config_v5(1024, v5.table_name(h200)) == v5.default_config_v5(1024, h100)
-    assert v5.default_config_v5(1024, v5.table_name(h200)) != v5.default_config_v5(1024, h200)
+    assert v5.default_config_v5(256, v5.table_name(h200)) == v5.default_config_v5(256, h100)
+    assert v5.default_config_v5(256, v5.table_name(h200)) != v5.default_config_v5(256, h200)
     monkeypatch.setenv(v5.TABLE_ENV, "H200")
-    assert v5.default_config_v5(1024, v5.table_name(h100)) == v5.default_config_v5(1024, h200)
-    # the H200 candidate (session 42): the H200's choices below W = 512, the H100's above
-    monkeypatch.setenv(v5.TABLE_ENV, "H200_H100BIG")
-    for w in (8, 64, 256, 511):
-        assert v5.default_config_v5(w, v5.table_name(h200)) == v5.default_config_v5(w, h200)
-    for w in (512, 1024, 2048, 4096):
-        assert v5.default_config_v5(w, v5.table_name(h200)) == v5.default_config_v5(w, h100)
-    assert v5.default_config_v5(1024, h100) != v5.default_config_v5(1024, h200)
+    assert v5.default_config_v5(256, v5.table_name(h100)) == v5.default_config_v5(256, h200)
+    # the tables differ below W = 512 only (session 44)
+    assert v5.default_config_v5(256, h100) != v5.default_config_v5(256, h200)
+    assert v5.default_config_v5(1024, h100) == v5.default_config_v5(1024, h200)
     monkeypatch.setenv(v5.TABLE_ENV, "A100")
     with pytest.raises(ValueError, match="FREESCALE_V5_TABLE must be one of"):
         v5.table_name(h100)

@@ -1120,11 +1120,17 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     """The best of the configurations timed at 2^26 ids on the card `device_name`
     (``torch.cuda.get_device_name()``; `ranged_dispatch_v5` passes its tensors' card).
 
-    H200 and any other name (the table `kernels.json` measured;
+    H200 and any other name (the table `kernels.json` measured, at d4ce341, session 44;
     `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
     staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
-    2048-id tiles and 8 warps (4 counting); above, the ranks scatter with 4096-id tiles
-    and 16 warps (8 counting), 2 ids per thread and pass.
+    2048-id tiles and 8 warps (4 counting); to W = 511 the ranks scatter with 4096-id
+    tiles and 16 warps (8 counting), 2 ids per thread and pass; from W = 512 the H100's
+    choices below (int32 staging, 8192-id tiles, 16384 from W = 1025 to 2048, placement
+    prefetch, int16 snapshots): tuned on H100s (sessions 35-36) and adopted on the H200
+    in session 44, where they took 1.251 against 1.584 ms at W = 1024, 1.673 against
+    2.496 at W = 2048 and 1.090 against 1.078 at W = 512
+    (`dispatch_v5_candidate_h200_d4ce341.json`, one run; there as
+    ``FREESCALE_V5_TABLE=H200_H100BIG``, the name this table had before).
 
     H100 ("H100" in the name): below W = 32 the ranks scatter with 2048-id tiles, 8 warps
     (4 counting), 4 ids per thread and int16 snapshots (session 42, at 75402d3,
@@ -1132,8 +1138,7 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     0.895 for the 4096-id config; tied at W = 32 and 64, 0.941 / 0.950 against 0.947 /
     0.952; behind from W = 128, 1.293 against 1.034); the 4096-id config from W = 32 to
     511; from W = 512 the same warps with int32 staging and larger tiles: 8192 ids, but
-    16384 from W = 1025 to 2048
-    (session 35; on the H200 not yet timed, so its table keeps 4096-id tiles there), and
+    16384 from W = 1025 to 2048 (session 35; the H200's too since session 44), and
     placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
     `dispatch_v5_pfsn_h100_ad89623.json`: W = 1024 1.484 against 1.541 ms, W = 2048 1.910
     against 2.038, W = 256 1.094 against 1.100; `kernels_h100_3d4b487.json`). On
@@ -1150,27 +1155,16 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     (`dispatch_v5_bigw_h100_d1eca03.json`): W = 1536 1.927 ms (16384) against 2.247
     (8192) and 2.194 (4096); W = 3072 and 4096, where 16384-id tiles do not fit, 3.051
     and 3.392 ms (8192) against 3.680 and 4.099 (4096).
-
-    `CANDIDATE_TABLE` (``FREESCALE_V5_TABLE=H200_H100BIG``, a benchmark knob): the H200
-    table below W = 512 and the H100's from W = 512 (int32 staging, 8192- or 16384-id
-    tiles, placement prefetch, int16 snapshots), the candidate for the H200 from session
-    42 on: those options were tuned on H100s (sessions 35-36) while no H200 came, and on
-    the H100 they took 13-34% less time than the H200 table's choices at W = 512 .. 2048
-    (`dispatch_v5_early_h100_0f2871b.json`: 1.240 against 1.432 ms at W = 512, 1.505
-    against 1.839 at W = 1024).
     """
     big = V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-    h100 = device_name is not None and "H100" in device_name
-    if device_name == CANDIDATE_TABLE:  # the H200 candidate: the H100's choices from 512
-        h100 = world_size >= 512
-    if h100:
+    if world_size >= 512:  # both cards (the H200 since session 44)
+        tile = 16384 if 1024 < world_size <= 2048 else 8192
+        return dataclasses.replace(big, tile=tile, staging="int32", prefetch=True, snaps="int16")
+    if device_name is not None and "H100" in device_name:
         if world_size < 32:  # session 42 (dispatch_v5_smallw_h100_75402d3.json)
             return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
                             snaps="int16")  # fmt: skip
-        if world_size < 512:
-            return dataclasses.replace(big, snaps="int16")
-        tile = 16384 if 1024 < world_size <= 2048 else 8192
-        return dataclasses.replace(big, tile=tile, staging="int32", prefetch=True, snaps="int16")
+        return dataclasses.replace(big, snaps="int16")
     if world_size < 32:
         return V5Config(tile=2048, count_warps=4, scatter_warps=4)
     if world_size <= 256:
@@ -1186,20 +1180,18 @@ def device_name(device: torch.device) -> str:
 
 
 TABLE_ENV = "FREESCALE_V5_TABLE"
-CANDIDATE_TABLE = "NVIDIA H200 (FREESCALE_V5_TABLE=H200_H100BIG: the H100 table from W = 512)"
 TABLE_CARDS = {
     "H100": "NVIDIA H100 (FREESCALE_V5_TABLE)",
     "H200": "NVIDIA H200 (FREESCALE_V5_TABLE)",
-    "H200_H100BIG": CANDIDATE_TABLE,
 }
 
 
 def table_name(card: Optional[str]) -> Optional[str]:
     """The card name `default_config_v5` picks its table by: `card` (the tensors' card),
-    unless ``FREESCALE_V5_TABLE`` is "H100", "H200" or "H200_H100BIG" (`CANDIDATE_TABLE`,
-    see `default_config_v5`). That override is a benchmark knob:
-    one GPU call can time the other card's table next to the A/B that decides whether to
-    adopt it (`benchmarks/kernels.py` records it). Same bits either way."""
+    unless ``FREESCALE_V5_TABLE`` is "H100" or "H200" (the tables differ below W = 512).
+    That override is a benchmark knob: one GPU call can time the other card's table next
+    to the A/B that decides whether to adopt it (`benchmarks/kernels.py` records it).
+    Same bits either way."""
     forced = os.environ.get(TABLE_ENV, "")
     if not forced:
         return card
