@@ -47,7 +47,7 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   coalesced); (d) the staging array is written out in slot order, so consecutive lanes
   store consecutive addresses within each dest's run (tile / W ids long).
 * `_v5_scatter_ranks_kernel` (``V5Config(scatter="ranks")``; the default from W = 32
-  on an H200, at every W on an H100, there from W = 512 with int32 staging and 8192- or
+  on an H200, at every W on an H100; on both from W = 512 with int32 staging and 8192- or
   16384-id tiles: `default_config_v5`):
   (r1) each warp walks its sub-range in order and only ranks: match.any, its running
   counter, a uint16 rank per id stored in input order; (b) as above; (r2) every id in
