@@ -401,3 +401,51 @@ def test_dense_time_excludes_sparse_work_done_by_hooks_after_the_optimizer():
     tr.train(3)
     tr.close()
     assert len(hook.dense_ms) == 3 and all(0 < d < 10_000 for d in hook.dense_ms), hook.dense_ms
+
+
+class _FailAtStep(TrainerHook):
+    """Raises after the optimizer of step ``step`` on every rank (a failed run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_optimizer(self, trainer, step):
+        if step == self.step:
+            raise RuntimeError(f"deliberate failure at step {step}")
+
+
+def _groups_across_trainers(rank, world, mode):
+    """Group counts: at the start, after building a trainer, after train + close (and a
+    second close), then around a trainer whose train() raised on every rank."""
+    from freescale.comm.base import process_groups
+
+    def n() -> int:
+        return len(process_groups() or ())
+
+    counts = [n()]
+    tr = Trainer(dataclasses.replace(tiny_config(steps=2), mode=mode))
+    counts.append(n())
+    tr.train()
+    tr.close()
+    counts.append(n())
+    tr.close()  # idempotent: nothing left, no second barrier
+    counts.append(n())
+    failing = Trainer(dataclasses.replace(tiny_config(steps=3), mode=mode), hooks=[_FailAtStep(1)])
+    with pytest.raises(RuntimeError, match="deliberate failure"):
+        failing.train()
+    failing.close()  # no barrier, no destroy: a peer may sit in a collective on them
+    counts.append(n())
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "prioritized"])
+def test_close_releases_the_groups_a_trainer_made(pool2, mode):
+    """A trainer makes its own process groups (embedding, metadata, data stage; a
+    prioritized collection one more for its side traffic). ``close()`` destroys them,
+    so a process that builds trainers one after another (``freescale bench e2e``'s
+    variants) does not keep every one's gloo threads and NCCL communicators; after a
+    train() that raised it leaves them (the pool's cleanup destroys them here)."""
+    made = 4 if mode == "prioritized" else 3
+    for counts in pool2.run(_groups_across_trainers, mode):
+        base = counts[0]
+        assert counts == [base, base + made, base, base, base + made], counts

@@ -73,24 +73,20 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, pg_timeout: f
 
 
 def _groups() -> set[Any] | None:
-    """The process groups this process knows (``None`` where torch hides its registry)."""
-    from torch.distributed import distributed_c10d as c10d
+    from freescale.comm.base import process_groups
 
-    world = getattr(c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    return set(pg_map) if isinstance(pg_map, dict) else None
+    return process_groups()
 
 
 def _destroy_new_groups(before: set[Any] | None) -> None:
     """Destroy the groups made since ``before``, after every rank is done with them (a
-    barrier on the default group: no rank closes a connection a peer still reads)."""
-    import torch.distributed as dist
+    barrier on the default group, also on a rank that joined no new group: a subgroup
+    task)."""
+    from freescale.comm.base import release_groups
 
     if before is None:
         return
-    dist.barrier()  # on every rank, also one that joined no new group (a subgroup task)
-    for g in (_groups() or set()) - before:
-        dist.destroy_process_group(g)
+    release_groups(list((_groups() or set()) - before))
 
 
 class DistPool:

@@ -2,7 +2,9 @@
 
 Owns: :class:`Awaitable` (a handle whose ``wait()`` returns the result, as in
 TorchRec), :class:`Communicator` (all-gather, variable-split all-to-all, all-reduce
-over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU), per-backend
+over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU),
+:func:`process_groups` / :func:`release_groups` (the groups a component made, destroyed
+once every rank is done with them), per-backend
 byte / call counters and :data:`wait_clock` (host time each thread spent blocked in
 ``wait()``, by backend and collective: where a thread waits for a peer or a worker
 rather than handing the wait to the device). SM-free backends (copy-engine,
@@ -35,6 +37,8 @@ __all__ = [
     "WaitClock",
     "wait_clock",
     "device_wait",
+    "process_groups",
+    "release_groups",
 ]
 
 T = TypeVar("T")
@@ -346,3 +350,36 @@ class Communicator:
             dist.barrier(group=self.group)
         except Exception as e:
             raise CollectiveError(f"{self._describe('barrier', name)} failed: {e}") from e
+
+
+def process_groups() -> set[dist.ProcessGroup] | None:
+    """The process groups this process knows (torch's group registry), or ``None`` where
+    torch does not expose it. Taken before and after a component's set-up, the difference
+    is the groups that component made (``dist.new_group`` has no owner of its own)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return set(pg_map) if isinstance(pg_map, dict) else None
+
+
+def release_groups(
+    groups: Sequence[dist.ProcessGroup], barrier: dist.ProcessGroup | None = None
+) -> int:
+    """Destroy ``groups`` after a barrier on ``barrier`` (the default group when None), so
+    that no rank closes a connection a peer still reads. Collective: every rank of the
+    barrier group calls it with its own groups (a rank that made none still joins the
+    barrier). Each gloo group owns a transport thread that wakes every 10 ms and each
+    NCCL group its communicators' buffers: a process that makes components repeatedly
+    (a benchmark's variants, a sweep in one process) keeps them all unless they are
+    released. Returns how many groups were destroyed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    dist.barrier(group=barrier)
+    known = process_groups()
+    n = 0
+    for g in groups:
+        if known is None or g in known:
+            dist.destroy_process_group(g)
+            n += 1
+    return n

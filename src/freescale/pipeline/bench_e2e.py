@@ -404,16 +404,19 @@ def run_variant(
         tr.sparse.prepare_blocks = False  # type: ignore[union-attr]
     try:
         summary = tr.train()
+        pstats = getattr(tr.sparse, "pstats", None)
+        ps = pstats.as_dict() if pstats is not None else {}
+        local = torch.tensor(
+            [float(ps.get("deferred_rows", 0)), float(ps.get("deferred_ids", 0))],
+            dtype=torch.float64,
+        )
+        if world > 1:  # deferred counts are per owner: sum them (before close() releases
+            # the trainer's groups)
+            local = tr.meta_comm.all_reduce(local.to(tr.meta_comm.device), name="e2e").wait()
+            local = local.cpu()
     finally:
         tr.close()
     side = getattr(tr.sparse, "side_comm", None)
-    pstats = getattr(tr.sparse, "pstats", None)
-    ps = pstats.as_dict() if pstats is not None else {}
-    local = torch.tensor(
-        [float(ps.get("deferred_rows", 0)), float(ps.get("deferred_ids", 0))], dtype=torch.float64
-    )
-    if world > 1:  # deferred counts are per owner: sum them
-        local = tr.meta_comm.all_reduce(local.to(tr.meta_comm.device), name="e2e").wait().cpu()
     activity = {
         "prioritized_steps": int(ps.get("prioritized_steps", 0)),
         # rank 0's backwards whose gradient-free part ran early (prepare_backward)

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 from ..comm import base as comm_base
-from ..comm.base import Communicator
+from ..comm.base import Communicator, process_groups, release_groups
 from ..config import CANDIDATE_FEATURE, TrainConfig, config_to_dict, default_tables
 from ..data.batch import JaggedBatch
 from ..data.loader import PrefetchingLoader
@@ -274,7 +274,11 @@ class Trainer:
         self.tables = cfg.tables or default_tables(cfg.data, cfg.model, self.uih_keys)
         _fit_table_sizes(self.tables, self.source)
         self.feature_rows = {f: t.num_embeddings for t in self.tables for f in t.feature_names}
-        # separate groups: embedding exchange, metadata; DDP keeps the default group
+        # separate groups: embedding exchange, metadata; DDP keeps the default group.
+        # Every group made from here to the end of __init__ (these three, a prioritized or
+        # sdd collection's side group, an SM-free communicator's) is this trainer's:
+        # close() releases them
+        groups_before = process_groups() if self.world_size > 1 else None
         if self.world_size > 1:
             self.emb_comm = Communicator(dist.new_group(), name="embedding")
             # small host metadata (input agreement, stage times, losses, eval merges):
@@ -344,6 +348,11 @@ class Trainer:
         self.eval_history: list[dict[str, Any]] = []
         self._log_file = None
         self._marks: _Marks | None = None  # the current step's marks (events timing)
+        # the groups close() destroys; none when torch hides its group registry
+        self._owned_groups = (
+            list((process_groups() or set()) - groups_before) if groups_before is not None else []
+        )
+        self._train_failed = False  # a train() call raised: close() leaves the groups
         if cfg.log_path and self.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.log_path)), exist_ok=True)
             self._log_file = open(cfg.log_path, "a")  # noqa: SIM115
@@ -991,6 +1000,7 @@ class Trainer:
                     self._finish_step(pending, acc, bar, last)
                     pending = None
         except BaseException:
+            self._train_failed = True
             if profiler is not None:
                 profiler.stop()
             if watch is not None:
@@ -1241,7 +1251,14 @@ class Trainer:
         """Disarm the stall dump, close the SM-free communicator this trainer made for
         the overlapped traffic (its worker thread, receive buffers and handshake file:
         nothing of it outlives the trainer, e.g. into the next bench variant), close the
-        log."""
+        log, and release the process groups the trainer made (`release_groups`: a
+        barrier on its metadata group, then each group destroyed), so that a process
+        that builds trainers one after another (a benchmark's variants) does not keep
+        every one's gloo threads and NCCL communicators. Collective when world > 1:
+        every rank calls it, as every rank calls ``train()``. After a ``train()`` that
+        raised, the groups are left as they are (a peer may still sit in a collective on
+        them; the process's own teardown destroys them). Idempotent; the trainer cannot
+        train after it."""
         for h in self.hooks:
             if isinstance(h, StallDump):
                 h.close()
@@ -1251,6 +1268,9 @@ class Trainer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        groups, self._owned_groups = self._owned_groups, []
+        if groups and not self._train_failed:
+            release_groups(groups, barrier=self.meta_comm.group)
 
 
 def allreduce_sum_hook(process_group, bucket):  # noqa: ANN001 - DDP inspects annotations
