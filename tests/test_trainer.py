@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from freescale.comm.base import CollectiveError
 from freescale.config import DataConfig, ModelConfig, SparseOptimConfig, TrainConfig
 from freescale.data.batch import JaggedBatch
 from freescale.data.validate import BadInputError
@@ -422,12 +423,20 @@ def _groups_across_trainers(rank, world, mode):
     def n() -> int:
         return len(process_groups() or ())
 
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
     counts = [n()]
     tr = Trainer(dataclasses.replace(tiny_config(steps=2), mode=mode))
     counts.append(n())
     tr.train()
+    busy = threads()
     tr.close()
     counts.append(n())
+    # tr is still referenced: its groups' gloo threads end only if it dropped them
+    freed = busy - threads()
+    with pytest.raises(CollectiveError, match="communicator 'meta' was released"):
+        tr.meta_comm.barrier()
     tr.close()  # idempotent: nothing left, no second barrier
     counts.append(n())
     failing = Trainer(dataclasses.replace(tiny_config(steps=3), mode=mode), hooks=[_FailAtStep(1)])
@@ -435,7 +444,7 @@ def _groups_across_trainers(rank, world, mode):
         failing.train()
     failing.close()  # no barrier, no destroy: a peer may sit in a collective on them
     counts.append(n())
-    return counts
+    return counts, freed
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "prioritized"])
@@ -446,6 +455,40 @@ def test_close_releases_the_groups_a_trainer_made(pool2, mode):
     variants) does not keep every one's gloo threads and NCCL communicators; after a
     train() that raised it leaves them (the pool's cleanup destroys them here)."""
     made = 4 if mode == "prioritized" else 3
-    for counts in pool2.run(_groups_across_trainers, mode):
+    for counts, freed in pool2.run(_groups_across_trainers, mode):
         base = counts[0]
         assert counts == [base, base + made, base, base, base + made], counts
+        assert freed >= made, freed  # each gloo group's transport thread ended
+
+
+def _balance_hook_groups(rank, world):
+    """Group counts around a BalanceHook serving two trainers in turn, closed between."""
+    from freescale.balance.hook import BalanceHook
+    from freescale.comm.base import process_groups
+
+    def n() -> int:
+        return len(process_groups() or ())
+
+    hook = BalanceHook()
+    counts = [n()]
+    moved = []
+    for _ in range(2):
+        tr = Trainer(tiny_config(steps=3), hooks=[hook])
+        tr.train()
+        tr.close()
+        counts.append(n())  # the trainer's groups gone, the hook's kept
+        moved.append(hook.samples_moved_total)
+        hook.close()
+        counts.append(n())
+    hook.close()  # idempotent
+    counts.append(n())
+    return counts, moved
+
+
+def test_balance_hook_close_releases_its_group_and_the_hook_can_serve_again(pool2):
+    """``BalanceHook.close()`` destroys the group its ``on_train_start`` made; used again,
+    the hook makes a new one and keeps balancing (its counters go on)."""
+    for counts, moved in pool2.run(_balance_hook_groups):
+        base = counts[0]
+        assert counts == [base, base + 1, base, base + 1, base, base], counts
+        assert 0 < moved[0] < moved[1], moved

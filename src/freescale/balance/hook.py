@@ -48,7 +48,7 @@ from freescale.balance.coordinator import BalanceCoordinator, CoordinatorConfig,
 from freescale.balance.cost_model import CostModel
 from freescale.balance.partitioners import PARTITIONERS
 from freescale.balance.planner import BalanceConfig, Plan, Planner
-from freescale.comm.base import Communicator
+from freescale.comm.base import Communicator, process_groups, release_groups
 from freescale.data.batch import JaggedBatch
 from freescale.pipeline.data_stage import METRICS_LAG
 from freescale.pipeline.trainer import Trainer, TrainerHook
@@ -120,29 +120,59 @@ class BalanceHook(TrainerHook):
         self._states_lock = threading.Lock()
         self.observations_applied = 0
         self._last_metrics: int | None = None  # newest step on_metrics has seen (this run)
+        self._made_groups: list[Any] = []  # groups on_train_start made (close() releases)
+
+    def _make_comm(self, trainer: Trainer) -> None:
+        """The hook's own communicator (``comm`` not given)."""
+        smfree = getattr(trainer, "overlap_backend_name", None)
+        host = trainer.world_size > 1 and trainer.ctx.backend == "nccl"
+        if host and self.backend is None:
+            # the trainer balances host batches (before their copy to the GPU): a
+            # gloo group on host memory, SM-free by construction, no device syncs
+            self.comm = Communicator(dist.new_group(backend="gloo"), name="balance")
+        elif trainer.world_size > 1 and smfree is not None and self.backend is None:
+            # the trainer's overlapped traffic goes SM-free (TrainConfig.overlap_backend):
+            # so do the balancer's metadata all-gathers and sample moves
+            from freescale.comm import create_communicator
+
+            self.comm = create_communicator(
+                smfree, name=f"balance-{smfree}", config=trainer.smfree_config()
+            )
+        elif trainer.world_size > 1:
+            group = dist.new_group(backend=self.backend)
+            self.comm = Communicator(group, name="balance")
+        else:
+            self.comm = Communicator(None, name="balance")
+
+    def close(self) -> None:
+        """Release what ``on_train_start`` made for the hook: the SM-free communicator's
+        worker and the process group(s) (`comm.base.release_groups`: a barrier on the
+        hook's group, then each destroyed). Collective when world > 1: every rank calls
+        it once it is done with the hook (after the last trainer it serves has trained;
+        ``freescale bench e2e`` does so per variant). A communicator passed in is the
+        caller's and stays. Idempotent; the next ``on_train_start`` makes a new one."""
+        groups, self._made_groups = self._made_groups, []
+        if not groups:
+            return
+        comm, self.comm = self.comm, None
+        if self.coordinator is not None:  # rebound by the next on_train_start
+            self.coordinator.comm = None  # type: ignore[assignment]
+        barrier = comm.group if isinstance(comm, Communicator) else None
+        if callable(getattr(comm, "close", None)):
+            comm.close()
+        release_groups(groups, barrier=barrier if barrier in groups else None)
+        if isinstance(comm, Communicator):
+            comm.release()
 
     # ------------------------------------------------------------------ set-up
     def on_train_start(self, trainer: Trainer) -> None:
         if self.comm is None:
-            smfree = getattr(trainer, "overlap_backend_name", None)
-            host = trainer.world_size > 1 and trainer.ctx.backend == "nccl"
-            if host and self.backend is None:
-                # the trainer balances host batches (before their copy to the GPU): a
-                # gloo group on host memory, SM-free by construction, no device syncs
-                self.comm = Communicator(dist.new_group(backend="gloo"), name="balance")
-            elif trainer.world_size > 1 and smfree is not None and self.backend is None:
-                # the trainer's overlapped traffic goes SM-free (TrainConfig.overlap_backend):
-                # so do the balancer's metadata all-gathers and sample moves
-                from freescale.comm import create_communicator
-
-                self.comm = create_communicator(
-                    smfree, name=f"balance-{smfree}", config=trainer.smfree_config()
-                )
-            elif trainer.world_size > 1:
-                group = dist.new_group(backend=self.backend)
-                self.comm = Communicator(group, name="balance")
-            else:
-                self.comm = Communicator(None, name="balance")
+            before = process_groups()
+            self._make_comm(trainer)
+            if before is not None:
+                self._made_groups = list((process_groups() or set()) - before)
+            if self.coordinator is not None:  # a hook used again after close()
+                self.coordinator.comm = self.comm
         if self.comm.world_size != trainer.world_size:
             raise ValueError(
                 f"balance communicator has {self.comm.world_size} ranks, the trainer "

@@ -209,6 +209,30 @@ class Communicator:
     """
 
     backend_name = "torch"
+    _group: dist.ProcessGroup | None = None
+    _released = False
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the default one, or a world of one rank)."""
+        if self._released:
+            raise CollectiveError(
+                f"communicator '{self.name}' was released (its process group destroyed, "
+                "e.g. by Trainer.close()): build a new one"
+            )
+        return self._group
+
+    @group.setter
+    def group(self, group: dist.ProcessGroup | None) -> None:
+        self._group = group
+
+    def release(self) -> None:
+        """Drop this communicator's process group after `release_groups` destroyed it:
+        a destroyed gloo group keeps its transport thread for as long as anything
+        references it. Any later use of ``group`` (every multi-rank collective) raises
+        :class:`CollectiveError` naming the communicator."""
+        self._group = None
+        self._released = True
 
     def __init__(self, group: dist.ProcessGroup | None = None, name: str = "default") -> None:
         self.group = group
@@ -372,10 +396,12 @@ def release_groups(
     barrier). Each gloo group owns a transport thread that wakes every 10 ms and each
     NCCL group its communicators' buffers: a process that makes components repeatedly
     (a benchmark's variants, a sweep in one process) keeps them all unless they are
-    released. Returns how many groups were destroyed."""
+    released. A destroyed gloo group still runs (and keeps its thread) while referenced:
+    the caller also drops its references (:meth:`Communicator.release`). Returns how many
+    groups were destroyed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    dist.barrier(group=barrier)
+    dist.barrier(group=barrier)  # no rank destroys a group a peer still uses
     known = process_groups()
     n = 0
     for g in groups:

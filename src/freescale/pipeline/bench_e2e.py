@@ -416,6 +416,8 @@ def run_variant(
             local = local.cpu()
     finally:
         tr.close()
+    if balance is not None:  # a new hook per variant: its group goes with the variant
+        balance.close()
     side = getattr(tr.sparse, "side_comm", None)
     activity = {
         "prioritized_steps": int(ps.get("prioritized_steps", 0)),
