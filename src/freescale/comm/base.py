@@ -4,7 +4,8 @@ Owns: :class:`Awaitable` (a handle whose ``wait()`` returns the result, as in
 TorchRec), :class:`Communicator` (all-gather, variable-split all-to-all, all-reduce
 over a ``torch.distributed`` process group: gloo on CPU, NCCL on GPU),
 :func:`process_groups` / :func:`release_groups` (the groups a component made, destroyed
-once every rank is done with them), per-backend
+once every rank is done with them), :func:`side_communicator` (a second group over the
+same ranks, for traffic that must not queue behind the main group's), per-backend
 byte / call counters and :data:`wait_clock` (host time each thread spent blocked in
 ``wait()``, by backend and collective: where a thread waits for a peer or a worker
 rather than handing the wait to the device). SM-free backends (copy-engine,
@@ -39,6 +40,7 @@ __all__ = [
     "device_wait",
     "process_groups",
     "release_groups",
+    "side_communicator",
 ]
 
 T = TypeVar("T")
@@ -409,3 +411,18 @@ def release_groups(
             dist.destroy_process_group(g)
             n += 1
     return n
+
+
+def side_communicator(comm: Communicator, name: str) -> Communicator:
+    """A :class:`Communicator` over the ranks of ``comm`` on a new process group of the
+    same backend (a side stream's traffic must not queue behind ``comm``'s). A world of
+    one needs no group: outside a larger job a single-rank communicator, inside one
+    ``comm`` itself (every collective of a one-rank group is local). Collective: every
+    rank of the job calls it in the same order (``dist.new_group``)."""
+    if comm.world_size == 1:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return Communicator(None, name=name)
+        return comm
+    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(comm.group))
+    return Communicator(group, name=name)

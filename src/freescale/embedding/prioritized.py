@@ -113,9 +113,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..comm.base import Awaitable, Communicator, device_wait
+from ..comm.base import Awaitable, Communicator, device_wait, side_communicator
 from ..config import SparseOptimConfig, TableConfig
 from ..kernels import ranged_combine_backward
 from ..kernels.ops import gather_blocks
@@ -385,15 +384,6 @@ def side_orders_on_device(comm: Any) -> bool:
     return name == "copy_engine" and getattr(comm, "completion", "") == "device"
 
 
-def _new_group_like(comm: Communicator) -> Communicator:
-    """A Communicator over the same ranks as ``comm`` on a new process group."""
-    if comm.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return Communicator(None, name=f"{comm.name}.side")
-    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-    backend = dist.get_backend(comm.group)
-    return Communicator(dist.new_group(ranks=ranks, backend=backend), name=f"{comm.name}.side")
-
-
 # ---------------------------------------------------------------------- the module
 class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     """Vanilla-equivalent sharded embeddings with prioritized (collision-first) updates.
@@ -453,7 +443,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if not 0.0 <= max_collision_rate <= 1.0:
             raise ValueError(f"max_collision_rate must be in [0, 1], got {max_collision_rate}")
         self.max_collision_rate = float(max_collision_rate)
-        self.side_comm = side_comm if side_comm is not None else _new_group_like(comm)
+        self.side_comm = (
+            side_comm if side_comm is not None else side_communicator(comm, f"{comm.name}.side")
+        )
         # None: prepare_backward blocks iff the side group orders on the device
         # (side_orders_on_device); tests may force it
         self._prepare_blocks: bool | None = None

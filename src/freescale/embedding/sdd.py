@@ -46,9 +46,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, side_communicator
 from ..config import SparseOptimConfig, TableConfig
 from .collection import ShardedEmbeddingCollection, _IdDist, _VanillaExchange, check_lookahead
 
@@ -89,17 +88,6 @@ class _Ahead:
     ready: Any = None  # CUDA event recorded on the side stream after the id dist
 
 
-def _side_comm_like(comm: Communicator) -> Communicator:
-    """A Communicator over the same ranks as ``comm`` on a new process group."""
-    if comm.world_size == 1:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return Communicator(None, name="embedding-side")
-        return comm  # a group of one rank inside a larger world: every collective is local
-    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-    group = dist.new_group(ranks=ranks, backend=dist.get_backend(comm.group))
-    return Communicator(group, name="embedding-side")
-
-
 class SddEmbeddingCollection(ShardedEmbeddingCollection):
     """Vanilla exchange with the id dist of step t+1 run during step t.
 
@@ -137,7 +125,7 @@ class SddEmbeddingCollection(ShardedEmbeddingCollection):
         if _mutation is not None and _mutation not in MUTATIONS:
             raise ValueError(f"unknown mutation '{_mutation}' (one of {MUTATIONS})")
         if side_comm is None:
-            side_comm = _side_comm_like(comm)
+            side_comm = side_communicator(comm, "embedding-side")
         elif (side_comm.world_size, side_comm.rank) != (comm.world_size, comm.rank):
             raise ValueError(
                 f"side_comm is rank {side_comm.rank} of {side_comm.world_size}, but comm is "
