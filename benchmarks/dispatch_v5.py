@@ -233,6 +233,20 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                               "scatter": "ranks", "staging": "int32",
                                               "prefetch": True, "snaps": "int16",
                                               "l2_prefetch": True},
+    # session 45: scatter="radix" (LSD radix sort of each tile by dest, 5-bit digits,
+    # per-thread counters: no ordered per-warp loop, no match.any)
+    "radix_t8192_c8_s16_sn16": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
+                                "unroll": 2, "scatter": "radix", "snaps": "int16"},
+    "radix_t4096_c8_s16_sn16": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
+                                "unroll": 2, "scatter": "radix", "snaps": "int16"},
+    "radix_t4096_c8_s8_sn16": {"tile": 4096, "count_warps": 8, "scatter_warps": 8,
+                               "unroll": 2, "scatter": "radix", "snaps": "int16"},
+    "radix_t2048_c4_s8_sn16": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
+                               "unroll": 2, "scatter": "radix", "snaps": "int16"},
+    "radix_t256_c1_s1": {"tile": 256, "count_warps": 1, "scatter_warps": 1, "unroll": 1,
+                         "scatter": "radix"},
+    "radix_t1024_c4_s8": {"tile": 1024, "count_warps": 4, "scatter_warps": 8, "unroll": 2,
+                          "scatter": "radix"},
 }  # fmt: skip
 # the H100 table's configs (4096-id tiles below W = 512, 8192 from 512, 16384 at 2048)
 H100_BASES = ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",
@@ -255,8 +269,9 @@ def _diff(a, b) -> list[str]:
     return [f for f in FIELDS if not torch.equal(getattr(a, f), getattr(b, f))]
 
 
-def check(v5, g: torch.Generator) -> int:
-    """Bitwise v5 == reference on random inputs; prints and counts mismatches."""
+def check(v5, g: torch.Generator, only: Optional[list[str]] = None) -> int:
+    """Bitwise v5 == reference on random inputs; prints and counts mismatches. ``only``:
+    check just these CONFIGS (names), not the built-in list and the forced route."""
     bad = cases = 0
     for w in (1, 2, 7, 8, 33, 64, 1000, 1024, 4096):
         for dt in (torch.int32, torch.int64):
@@ -279,7 +294,7 @@ def check(v5, g: torch.Generator) -> int:
                 for mode in ("block", "modulo"):
                     args = (vals, lengths, blocks.to(dt), w)
                     ref = reference.ranged_dispatch(*args, mode=mode)
-                    for cfg in (
+                    builtin = (
                         v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1),
                         v5.V5Config(tile=256, count_warps=4, scatter_warps=2, unroll=2),
                         v5.V5Config(tile=1024, count_warps=8, scatter_warps=8, unroll=8),
@@ -321,7 +336,9 @@ def check(v5, g: torch.Generator) -> int:
                                     scatter="ranks", staging="int32"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks", staging="int32"),
-                    ):  # fmt: skip
+                    )  # fmt: skip
+                    named = [v5.V5Config(**CONFIGS[c]) for c in only or ()]
+                    for cfg in named or builtin:
                         if not v5.v5_supported(w, None, cfg):
                             continue
                         cases += 1
@@ -330,6 +347,9 @@ def check(v5, g: torch.Generator) -> int:
                         if wrong:
                             bad += 1
                             print(f"MISMATCH v5 w={w} {dt} k={k} b={b} {mode} {cfg}: {wrong}")
+    if only:
+        print(f"v5 check of {only}: {cases} cases, {bad} mismatches", flush=True)
+        return bad
     # the forced route: FREESCALE_TRITON_DISPATCH=v5 through kernels.ranged_dispatch (small
     # calls, which "auto" gives v4)
     import os
@@ -412,6 +432,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="extra V5Config settings timed on the large workload",
     )
     p.add_argument(
+        "--check-configs",
+        nargs="+",
+        default=None,
+        choices=sorted(CONFIGS),
+        help="step 1 checks only these configs (not the built-in list)",
+    )
+    p.add_argument(
         "--ncu-config",
         choices=sorted(CONFIGS),
         default=None,
@@ -458,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return 1
         return 0
     g = torch.Generator(device="cuda").manual_seed(5)
-    bad = 0 if args.no_check else check(v5, g)
+    bad = 0 if args.no_check else check(v5, g, args.check_configs)
     report: dict[str, Any] = figure_header("dispatch_v5", args.git_sha)
     report["command"] = "python benchmarks/dispatch_v5.py " + shlex.join(argv or sys.argv[1:])
     report["check"] = {"mismatches": "skipped (--no-check)" if args.no_check else bad}
