@@ -233,20 +233,6 @@ CONFIGS = {  # name -> V5Config fields (c: count warps, s: scatter warps, u: unr
                                               "scatter": "ranks", "staging": "int32",
                                               "prefetch": True, "snaps": "int16",
                                               "l2_prefetch": True},
-    # session 45: scatter="radix" (LSD radix sort of each tile by dest, 5-bit digits,
-    # per-thread counters: no ordered per-warp loop, no match.any)
-    "radix_t8192_c8_s16_sn16": {"tile": 8192, "count_warps": 8, "scatter_warps": 16,
-                                "unroll": 2, "scatter": "radix", "snaps": "int16"},
-    "radix_t4096_c8_s16_sn16": {"tile": 4096, "count_warps": 8, "scatter_warps": 16,
-                                "unroll": 2, "scatter": "radix", "snaps": "int16"},
-    "radix_t4096_c8_s8_sn16": {"tile": 4096, "count_warps": 8, "scatter_warps": 8,
-                               "unroll": 2, "scatter": "radix", "snaps": "int16"},
-    "radix_t2048_c4_s8_sn16": {"tile": 2048, "count_warps": 4, "scatter_warps": 8,
-                               "unroll": 2, "scatter": "radix", "snaps": "int16"},
-    "radix_t256_c1_s1": {"tile": 256, "count_warps": 1, "scatter_warps": 1, "unroll": 1,
-                         "scatter": "radix"},
-    "radix_t1024_c4_s8": {"tile": 1024, "count_warps": 4, "scatter_warps": 8, "unroll": 2,
-                          "scatter": "radix"},
 }  # fmt: skip
 # the H100 table's configs (4096-id tiles below W = 512, 8192 from 512, 16384 at 2048)
 H100_BASES = ("ranks_t4096_c8_s16_u2_sn16", "ranks_t8192_c8_s16_u2_v32_pf_sn16",

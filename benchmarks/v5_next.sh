@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   Both cards: the opt-in radix scatter (session 45, `V5Config(scatter="radix")`),
-#   written and compiled for sm_90 here but never run on a GPU before: timed at 2^26 ids
-#   at W = 1024, 256, 64, 2048 next to the card's table, then checked bitwise.
-#   Deferred: session 44's H200 small-W A/B (`ab` below; `dispatch_v5_candidate_h200_d4ce341.json`
-#   has the one run: 0.968 against 1.030 ms at W = 256 for the 4096-id config with int16
-#   snapshots, 0.867 against 0.901 at W = 128 for the 8192-id config, 0.774 against
-#   0.777 at W = 64 for the 2048-id one, to be timed twice before the H200 table changes).
-#   Earlier calls: session 43 ran the H100 figure (`kernels_h100_d37773f.json`); session
-#   42 timed `early_loads` (`dispatch_v5_early_h100_0f2871b.json`: no effect; reverted)
-#   and the H100's small-W table (`dispatch_v5_smallw_h100_75402d3.json`); session 41
-#   (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two options since reverted; session
-#   40 (`dispatch_v5_diagskip_h100_b96ca4f.json`) the scatter without its stores.
+#   H200: the H200 table below W = 512. Session 44's call (`dispatch_v5_candidate_h200_d4ce341.json`,
+#         one run) adopted the H100's large-W choices from W = 512 on the H200 and timed,
+#         next to the H200 table's below-512 choices, the 4096-id config with int16
+#         snapshots (the H100's from W = 32; 0.968 against 1.030 ms at W = 256), the
+#         8192-id config (0.867 against 0.901 at W = 128) and the 2048-id config with int16
+#         snapshots (0.774 against 0.777 at W = 64). This A/B times those again at
+#         W = 256, 128, 64 and 32, twice (ab1/, ab2/), to decide the H200's table there;
+#         then `check_kernels_cuda.py --only auto` (v5's adopted defaults at W = 1024 and
+#         4096 checked bitwise on an H200).
+#   H100: nothing (session 43 ran the H100 figure after session 42's table change below
+#         W = 32: `kernels_h100_d37773f.json`).
+#   Earlier calls: session 45 timed an opt-in radix scatter on an H100
+#   (`dispatch_v5_radix_h100_041ce57.json`: equal bits, its scatter kernel 1.55-2.3x slower
+#   than the ranks scatter at W = 1024; reverted, the code is in git at 041ce57);
+#   session 42 timed `early_loads` (`dispatch_v5_early_h100_0f2871b.json`:
+#   no effect; reverted) and the H100's small-W table (`dispatch_v5_smallw_h100_75402d3.json`);
+#   session 41 (`dispatch_v5_ballot_persist_h100_4ad8887.json`) two options since
+#   reverted; session 40 (`dispatch_v5_diagskip_h100_b96ca4f.json`) the scatter without
+#   its stores.
 #
 # Usage (on the GPU machine, repository root; DRY=1 prints the steps instead):
 #
@@ -23,7 +30,7 @@
 # base tree and this one in one call with PYTHONPATH=_ab/SHA/src for the first run.
 #
 # Each step has its own time limit and prints its exit status; the script's status is 1
-# when any failed. Results land under DIR (radix_ab/, radix_check/, *.log).
+# when any failed. Results land under DIR (ab1/, ab2/, *.log).
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = extract ]; then
   rm -rf _ab && mkdir -p "_ab/$2" && git archive "$2" src | tar -x -C "_ab/$2" && ls "_ab/$2/src"
@@ -59,14 +66,20 @@ ab() { # ab SECONDS DIR WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no sep
   step "$1" "$OUT/$2.log" python3 benchmarks/dispatch_v5.py --out "$OUT/$2" --git-sha "$SHA" \
     --no-check --workloads large --worlds $3 --configs $4
 }
-# session 45: the opt-in radix scatter (`V5Config(scatter="radix")`), never run on a GPU
-# before this call, on either card: first timed at 2^26 ids next to the card's table
-# (every timed call compared bit for bit with v4's output; a mismatch ends the step),
-# then checked against the reference on random inputs (W = 1 .. 4096, int32 / int64,
-# block / modulo, tiles with K = 16 and 8 items per thread)
-RADIX="radix_t8192_c8_s16_sn16 radix_t4096_c8_s16_sn16 radix_t4096_c8_s8_sn16 radix_t2048_c4_s8_sn16"
-step 240 "$OUT/radix_ab.log" python3 benchmarks/dispatch_v5.py --out "$OUT/radix_ab" \
-  --git-sha "$SHA" --no-check --workloads large --worlds 1024 256 64 2048 --configs $RADIX
-step 200 "$OUT/radix_check.log" python3 benchmarks/dispatch_v5.py --out "$OUT/radix_check" \
-  --git-sha "$SHA" --check-only --check-configs radix_t8192_c8_s16_sn16 radix_t256_c1_s1
+case $CARD in
+  *H200*)
+    # v5_default is the H200 table at these W; each config timed next to it, twice
+    for run in ab1 ab2; do
+      ab 100 $run "256 128 64 32" \
+        "ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t2048_c4_s8_u4_sn16"
+    done
+    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
+    ;;
+  *)
+    # session 43 ran the H100 figure at d37773f (`kernels_h100_d37773f.json`): nothing
+    # new to time on an H100 until the code changes, so a call that lands there costs
+    # only its start
+    echo "nothing queued for an H100 (its figure at d37773f is current): ask for an H200"
+    ;;
+esac
 exit $fail

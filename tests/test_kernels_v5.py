@@ -110,10 +110,6 @@ def test_config_errors_are_clear() -> None:
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
-    for tile, warps in ((256, 16), (16384, 4)):  # 0 and 128 items per thread
-        radix = v5.V5Config(tile=tile, scatter_warps=warps, scatter="radix")
-        with pytest.raises(ValueError, match='scatter="radix" needs 1 <= tile'):
-            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=radix)
     with pytest.raises(ValueError, match="no weights"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, weights=torch.ones(4))
     with pytest.raises(ValueError, match="world_size <= 4096"):
@@ -305,48 +301,6 @@ print(json.dumps({{
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
-
-
-@needs_ptxas
-@pytest.mark.parametrize(
-    "world,tile,warps,modulo,dtype",
-    [
-        (1, 256, 1, False, "int32"),
-        (33, 1024, 8, True, "int64"),
-        (1024, 8192, 16, False, "int64"),
-        (4096, 4096, 16, True, "int32"),
-    ],
-)
-def test_radix_scatter_compiles_with_one_atomic_per_item_and_pass(
-    tmp_path, world, tile, warps, modulo, dtype
-) -> None:
-    """``scatter="radix"`` compiles for sm_90 with its layout checked: per pass one shared
-    atomic per item (K = tile / (32 warps) per thread, each on the thread's own counter
-    word), shuffle scans, and no warp vote (``match.any``: the ranks scatter's ordered
-    loop is what it replaces); KEYS / VAL / counters / SHIFT within the program limit."""
-    got = _run_fresh(
-        tmp_path,
-        f"""
-import json
-import torch
-from freescale.kernels import triton_dispatch_v5 as v5
-cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, scatter="radix")
-kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
-ptx = kernels["scatter"].asm["ptx"]
-print(json.dumps({{
-    "atomics": ptx.count("atom.shared.add.u32"),
-    "expected": v5.radix_passes({world}) * {tile} // (32 * {warps}),
-    "match": "match.any" in ptx,
-    "shfl": "shfl.sync.up" in ptx,
-    "shared": kernels["scatter"].metadata.shared,
-    "needed": v5.scatter_smem_bytes(cfg, {world}),
-    "limit": v5.SMEM_LIMIT,
-}}))
-""",
-    )
-    assert got["atomics"] == got["expected"], got
-    assert not got["match"] and got["shfl"], got
-    assert got["needed"] <= got["shared"] <= got["limit"], got
 
 
 @needs_ptxas
@@ -570,11 +524,6 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
         # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
-        # session 45: the radix scatter (2 items per thread at 512-id tiles, 8 warps);
-        # rows past 2^31: values reloaded at the write-out
-        ("radix", "dest", "recompute", "int64", 10_000, ""),
-        ("radix", "dest", "recompute", "int64", 1 << 44, ""),
-        ("radix", "dest", "recompute", "int64", 10_000, "scatter_warps=1"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

@@ -1000,185 +1000,6 @@ def _v5_scatter_ranks_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-@gluon.jit
-def _sh_atom_add_ret(off, inc, pred):
-    """atom.shared.add.u32 of `inc` at byte offset `off` where `pred`; returns the old
-    word (0 where not `pred`)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .u32 a; .reg .pred p; setp.ne.s32 p, $3, 0; mov.u32 $0, 0; "
-        "mov.u32 a, $1; @p atom.shared.add.u32 $0, [a], $2; }",
-        "=r,r,r,r",
-        [_sh_addr(off), inc, pred],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _v5_scatter_radix_kernel(
-    values_ptr,
-    block_sizes_ptr,
-    tile_key_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    et_ptr,
-    out_values_ptr,
-    perm_ptr,
-    WORLD: gl.constexpr,
-    MODULO: gl.constexpr,
-    TILE: gl.constexpr,
-    NW: gl.constexpr,
-    PASSES: gl.constexpr,
-    LOGK: gl.constexpr,
-    IDXB: gl.constexpr,
-    B0: gl.constexpr,
-    B1: gl.constexpr,
-    B2: gl.constexpr,
-    B3: gl.constexpr,
-):
-    """Tile t, ``scatter="radix"`` (opt-in, session 45): the tile sorted by dest with an
-    LSD radix sort of 5-bit digits in shared memory (CUB's BlockRadixRank without
-    match.any: each thread owns K = TILE / (32 NW) consecutive items and counts them in
-    its own column of per-digit counters, so no per-chunk chain through a shared counter
-    row and no warp vote), then written out in sorted order. PASSES = ceil(bits(W - 1) /
-    5) (2 at W = 1024). Needs int32 output positions (calls below 2^31 ids).
-
-    Per pass: (c) each item's digit counted with one shared atomic on the thread's own
-    counter word (two 16-bit counters per word: digits 2m and 2m + 1 of thread j at word
-    m * CH + j), which returns the item's rank among the thread's earlier items of that
-    digit; (s) per m, a scan over threads of the packed words (shuffles within a warp,
-    warps' totals in WT, the digits' bases in BASE), leaving in each word the exclusive
-    prefix in (digit, thread) order; (x) key = dest << IDXB | input index stored at its
-    rank in KEYS. The first pass maps the ids (and stages their local rows in VAL, int32;
-    -1 where a row does not fit, reloaded at the end); later passes read KEYS in thread
-    order. Write-out: (a) sorted position p reads its key; the first position of each
-    dest's run stores SHIFT[d] = et[t, d] - p; (b) out[SHIFT[d] + p] = VAL[index], and
-    the output position goes to KEYS[index]; (c) perm in input order from KEYS.
-    KEYS and VAL have one padding word per K (a thread's K consecutive items fall in K
-    different banks). Only the threads' own counter words are shared between phases by
-    one thread, so CNT needs no barrier of its own."""
-    CH: gl.constexpr = NW * 32
-    K: gl.constexpr = TILE // CH  # = 2 ** LOGK; an input index has IDXB = log2(TILE) bits
-    PADW: gl.constexpr = TILE + TILE // K  # words of KEYS / VAL with padding
-    KEYS: gl.constexpr = 0
-    VAL: gl.constexpr = KEYS + PADW * 4
-    CNT: gl.constexpr = VAL + PADW * 4
-    SHIFT: gl.constexpr = CNT + 16 * CH * 4
-    WT: gl.constexpr = SHIFT + WORLD * 8
-    BASE: gl.constexpr = WT + 16 * NW * 4
-    lk: gl.constexpr = gl.BlockedLayout([K], [32], [NW], [0])  # K consecutive per thread
-    lc: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # consecutive lanes
-    buf0 = _reserve(B0)
-    if B1 > 0:
-        buf1 = _reserve(B1)
-    if B2 > 0:
-        buf2 = _reserve(B2)
-    if B3 > 0:
-        buf3 = _reserve(B3)
-    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                           block_sizes_ptr)  # fmt: skip
-    q = gl.arange(0, TILE, layout=lk)  # item q of thread q // K
-    qm = q < n_t
-    qmi = qm.to(gl.int32)
-    tid = q >> LOGK
-    qpad = q + (q >> LOGK)
-    e = gl.arange(0, CH, layout=lc)
-    w = e // 32
-    lane = e % 32
-    # pass 0's items: the ids, mapped; their local rows staged (int32, -1: reload)
-    ids = gl.load(values_ptr + start + q, mask=qm, other=0).to(gl.int64)
-    d, local = _dest_local(ids, blk, inv, WORLD, MODULO, False)
-    fits = local.to(gl.uint64) < 0x7FFFFFFF
-    _sh_st32(VAL + qpad * 4, gl.where(fits, local, -1).to(gl.int32), qmi)
-    key = (d << IDXB) | q
-    for ps in gl.static_range(PASSES):
-        if ps > 0:
-            key = _sh_ld32(KEYS + gl.where(qm, qpad, 0) * 4)
-        # (c) zero the thread's own 16 counter words, then count its items in order
-        for m in gl.static_range(16):
-            _sh_st32(CNT + (m * CH + e) * 4, e * 0, e * 0 + 1)
-        dig = (key >> (IDXB + 5 * ps)) & 31
-        word = CNT + ((dig >> 1) * CH + tid) * 4
-        half = (dig & 1) * 16
-        old = _sh_atom_add_ret(word, gl.full([TILE], 1, gl.int32, lk) << half, qmi)
-        mine = (old >> half) & 0xFFFF  # earlier items of this thread with this digit
-        # (s) per m: exclusive scan of the packed words over threads
-        for m in gl.static_range(16):
-            a = CNT + (m * CH + e) * 4
-            v = _sh_ld32(a)
-            incl = _warp_inclusive_scan(v)
-            _sh_st32(a, incl - v, e * 0 + 1)
-            _sh_st32(WT + (m * NW + w) * 4, incl, (lane == 31).to(gl.int32))
-        gl.thread_barrier()
-        # warp 0, lane m < 16: WT[m][*] -> exclusive prefixes over warps; BASE[m] =
-        # the packed bases of digits 2m and 2m + 1 (exclusive scan over digits)
-        mm = gl.where(lane < 16, lane, 0)
-        run = e * 0
-        own = ((w == 0) & (lane < 16)).to(gl.int32)
-        for ww in gl.static_range(NW):
-            wa = WT + (mm * NW + ww) * 4
-            x = _sh_ld32(wa)
-            _sh_st32(wa, run, own)
-            run += x
-        lo = run & 0xFFFF
-        hi = (run >> 16) & 0xFFFF
-        pair = gl.where(lane < 16, lo + hi, 0)
-        before = _warp_inclusive_scan(pair) - pair
-        _sh_st32(BASE + mm * 4, before | ((before + lo) << 16), own)
-        gl.thread_barrier()
-        for m in gl.static_range(16):
-            a = CNT + (m * CH + e) * 4
-            pre = _sh_ld32(a) + _sh_ld32(WT + (m * NW + w) * 4) + _sh_ld32(BASE + m * 4 + e * 0)
-            _sh_st32(a, pre, e * 0 + 1)
-        # (x) each item to its rank (the barrier above: every KEYS read of this pass done)
-        rank = ((_sh_ld32(word) >> half) & 0xFFFF) + mine
-        _sh_st32(KEYS + (rank + (rank >> LOGK)) * 4, key, qmi)
-        gl.thread_barrier()
-    # (a) sorted position p = j * CH + e: the first of each dest's run sets SHIFT
-    for j0 in gl.static_range(K):
-        p = j0 * CH + e
-        pm = p < n_t
-        k = _sh_ld32(KEYS + gl.where(pm, p + (p >> LOGK), 0) * 4)
-        pp = gl.maximum(p - 1, 0)
-        kp = _sh_ld32(KEYS + (pp + (pp >> LOGK)) * 4)
-        dd = gl.where(pm, k >> IDXB, 0)
-        first = pm & ((p == 0) | ((kp >> IDXB) != dd))
-        etv = gl.load(et_ptr + t * WORLD + dd, mask=first, other=0).to(gl.int64)
-        _sh_st64(SHIFT + dd * 8, etv - p.to(gl.int64), first.to(gl.int32))
-    gl.thread_barrier()
-    # (b) out[et[t, d] + p - run start] = the staged value
-    for j0 in gl.static_range(K):
-        p = j0 * CH + e
-        pm = p < n_t
-        k = _sh_ld32(KEYS + gl.where(pm, p + (p >> LOGK), 0) * 4)
-        dd = gl.where(pm, k >> IDXB, 0)
-        ix = gl.where(pm, k & (TILE - 1), 0)
-        at = _sh_ld64(SHIFT + dd * 8) + p.to(gl.int64)
-        v = _sh_ld32(VAL + (ix + (ix >> LOGK)) * 4).to(gl.int64)
-        far = pm & (v == -1)
-        idf = gl.load(values_ptr + start + ix, mask=far, other=0).to(gl.int64)
-        v = gl.where(far, _local_of(idf, dd, blk, WORLD, MODULO), v)
-        gl.store(out_values_ptr + at, v.to(out_values_ptr.dtype.element_ty), mask=pm)
-        # the output position replaces the value: index ix is read and written only by
-        # the thread that holds its sorted position
-        _sh_st32(VAL + (ix + (ix >> LOGK)) * 4, at.to(gl.int32), pm.to(gl.int32))
-    gl.thread_barrier()
-    # (c) perm in input order
-    for j0 in gl.static_range(K):
-        p = j0 * CH + e
-        pm = p < n_t
-        at = _sh_ld32(VAL + gl.where(pm, p + (p >> LOGK), 0) * 4).to(gl.int64)
-        gl.store(perm_ptr + start + p, at, mask=pm)
-    _keep_live(buf0, out_values_ptr, t, lc, CH)
-    if B1 > 0:
-        _keep_live(buf1, out_values_ptr, t, lc, CH)
-    if B2 > 0:
-        _keep_live(buf2, out_values_ptr, t, lc, CH)
-    if B3 > 0:
-        _keep_live(buf3, out_values_ptr, t, lc, CH)
-
-
 @dataclass(frozen=True)
 class V5Config:
     """Tuning knobs of `ranged_dispatch_v5` (every choice gives the same bits).
@@ -1381,7 +1202,7 @@ def table_name(card: Optional[str]) -> Optional[str]:
     return TABLE_CARDS[forced]
 
 
-SCATTERS = ("staged", "ranks", "radix")
+SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
@@ -1392,13 +1213,7 @@ SNAPS = {"int32": torch.int32, "int16": torch.int16}
 def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = None) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4): per id
     12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest), 14
-    where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``); radix:
-    KEYS and VAL (4 bytes per id each, plus one padding word per K), 16 counter words
-    per thread, SHIFT [W] int64, WT [16][NW] and BASE [16] int32."""
-    if cfg.scatter == "radix":
-        ch = 32 * cfg.scatter_warps
-        padw = cfg.tile + cfg.tile // (cfg.tile // ch)
-        return 8 * padw + 64 * ch + 8 * world_size + 64 * cfg.scatter_warps + 64
+    where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``)."""
     pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
     per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0) - (4 if _v32(cfg) else 0)
@@ -1420,24 +1235,11 @@ def _v32(cfg: V5Config) -> bool:
 
 
 def _scatter_kernel(cfg: V5Config):
-    if cfg.scatter == "radix":
-        return _v5_scatter_radix_kernel
     return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
-
-
-def radix_passes(world_size: int) -> int:
-    """Passes of 5-bit digits ``scatter="radix"`` needs to sort by dest (>= 1)."""
-    return max(1, -(-(world_size - 1).bit_length() // 5))
 
 
 def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs) -> dict:
     """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
-    if cfg.scatter == "radix":
-        k = cfg.tile // (32 * cfg.scatter_warps)
-        return {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile,
-                "NW": cfg.scatter_warps, "PASSES": radix_passes(world_size),
-                "LOGK": k.bit_length() - 1, "IDXB": cfg.tile.bit_length() - 1,
-                "B0": bufs[0], "B1": bufs[1], "B2": bufs[2], "B3": bufs[3]}  # fmt: skip
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
             "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
             "B3": bufs[3]}  # fmt: skip
@@ -1501,11 +1303,6 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(
             'dests="stored" is an option of scatter="ranks" (the staged scatter keeps its '
             f"dests in shared memory already), got scatter={cfg.scatter!r}"
-        )
-    if cfg.scatter == "radix" and not 1 <= t // (32 * cfg.scatter_warps) <= 64:
-        raise ValueError(
-            f'scatter="radix" needs 1 <= tile / (32 * scatter_warps) <= 64 items per thread, '
-            f"got tile {t}, scatter_warps {cfg.scatter_warps}"
         )
     if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
         raise ValueError(
@@ -1658,8 +1455,6 @@ def ranged_dispatch_v5(
 
     num_tiles = n // t + num_keys
     index_dtype = torch.int32 if n < 2**31 else torch.int64
-    if cfg.scatter == "radix" and index_dtype != torch.int32:
-        raise ValueError(f'scatter="radix" stages int32 output positions: {n} ids >= 2^31')
     tw = num_tiles * world_size
     seg_offsets, key_tile_first, tile_start, tile_end, tile_seg_lo, tile_seg_hi = _carve(
         torch.int64, dev, nseg + 1, num_keys + 1, *(num_tiles,) * 4
