@@ -1270,7 +1270,7 @@ class Trainer:
             self._log_file = None
         groups, self._owned_groups = self._owned_groups, []
         if groups and not self._train_failed:
-            comms = [self.emb_comm, self.meta_comm, self.data_comm]
+            comms = [self.emb_comm, self.meta_comm, self.data_comm, comm]
             comms.append(getattr(getattr(self, "sparse", None), "side_comm", None))
             ours = [c for c in comms if isinstance(c, Communicator) and c.group in groups]
             release_groups(groups, barrier=self.meta_comm.group)
