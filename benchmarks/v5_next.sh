@@ -13,7 +13,7 @@
 #   H100: nothing (session 43 ran the H100 figure after session 42's table change below
 #         W = 32: `kernels_h100_d37773f.json`).
 #   Earlier calls: session 45 timed an opt-in radix scatter on an H100
-#   (`dispatch_v5_radix_h100_041ce57.json`: equal bits, its scatter kernel 1.55-2.3x slower
+#   (`dispatch_v5_radix_h100_041ce57.json`: equal bits, its scatter kernel 1.6-2.8x slower
 #   than the ranks scatter at W = 1024; reverted, the code is in git at 041ce57);
 #   session 42 timed `early_loads` (`dispatch_v5_early_h100_0f2871b.json`:
 #   no effect; reverted) and the H100's small-W table (`dispatch_v5_smallw_h100_75402d3.json`);
