@@ -249,12 +249,6 @@ for _base in H100_BASES:
 for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
-# session 46: the ordered loop software-pipelined by one chunk (`match_ahead`, _ma), the
-# stored dests in the rank array (`dests="aliased"`, _al), both (_alma)
-for _base in H100_BASES:
-    for _suffix, _knobs in (("_ma", {"match_ahead": True}), ("_al", {"dests": "aliased"}),
-                            ("_alma", {"dests": "aliased", "match_ahead": True})):  # fmt: skip
-        CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], **_knobs}
 
 
 def _diff(a, b) -> list[str]:

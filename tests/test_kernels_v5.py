@@ -79,12 +79,6 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="kept"))
     with pytest.raises(ValueError, match='dests="stored" is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="stored"))
-    with pytest.raises(ValueError, match='dests="aliased" is an option of scatter="ranks"'):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="aliased"))
-    with pytest.raises(ValueError, match="match_ahead must be True or False"):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(match_ahead=1))
-    with pytest.raises(ValueError, match='match_ahead=True is an option of scatter="ranks"'):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(match_ahead=True))
     with pytest.raises(ValueError, match="staging must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(staging="int16"))
     with pytest.raises(ValueError, match='staging="int32" is an option of scatter="ranks"'):
@@ -247,17 +241,6 @@ def _run_fresh(tmp_path, code: str) -> dict:
          "l2_prefetch=True, narrow=True"),
         (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
          'prefetch=True, snaps="int16", l2_ahead=264'),
-        # session 46: the ordered loop pipelined by one chunk; dests in the rank array
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
-         'prefetch=True, snaps="int16", match_ahead=True'),
-        (7, 256, 4, 1, True, "int32", "ranks", "rows", "pos", "recompute", "int64",
-         "ahead=4, match_ahead=True, narrow=True"),
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "aliased", "int32",
-         'prefetch=True, snaps="int16"'),
-        (4096, 2048, 4, 4, True, "int32", "ranks", "rows", "pos", "aliased", "int64",
-         "match_ahead=True"),
-        (1000, 2048, 8, 4, False, "int64", "ranks", "rows", "dest", "stored", "int64",
-         "match_ahead=True"),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -355,40 +338,6 @@ print(json.dumps(out))
     regs = got["int32"]["regs"]
     if regs is not None:  # Triton's bundled cuobjdump: 3 programs of 512 threads
         assert 3 * 512 * regs <= 65536, got
-
-
-@needs_ptxas
-def test_aliased_dests_add_no_shared_bytes_and_match_ahead_issues_peers_early(tmp_path) -> None:
-    """Session 46's two options, as compiled for sm_90 at the W = 1024 default's tiles:
-    ``dests="aliased"`` reserves what the default does (two programs per SM still fit),
-    where ``"stored"`` needs more; ``match_ahead`` puts a second ``match.any`` (the first
-    chunk's, before the loop) into the scatter, and both options leave the default's
-    PTX alone when off."""
-    got = _run_fresh(
-        tmp_path,
-        """
-import json
-from freescale.kernels import triton_dispatch_v5 as v5
-base = dict(tile=8192, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks",
-            staging="int32", prefetch=True, snaps="int16")
-out = {}
-for name, extra in (("default", {}), ("off", {"dests": "recompute", "match_ahead": False}),
-                    ("aliased", {"dests": "aliased"}), ("stored", {"dests": "stored"}),
-                    ("ma", {"match_ahead": True}),
-                    ("alma", {"dests": "aliased", "match_ahead": True})):
-    k = v5.compile_v5(1024, v5.V5Config(**base, **extra))["scatter"]
-    ptx = k.asm["ptx"]
-    out[name] = {"shared": k.metadata.shared, "match": ptx.count("match.any.sync"), "ptx": ptx}
-print(json.dumps(out))
-""",
-    )
-    per_sm = 228 * 1024
-    assert got["off"]["ptx"] == got["default"]["ptx"]
-    assert got["aliased"]["shared"] == got["default"]["shared"]
-    assert per_sm // (got["aliased"]["shared"] + 1024) == 2
-    assert got["stored"]["shared"] > got["default"]["shared"]
-    assert got["default"]["match"] == 1 and got["aliased"]["match"] == 1
-    assert got["ma"]["match"] == 2 and got["alma"]["match"] == 2
 
 
 @needs_ptxas
@@ -575,13 +524,6 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
         # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
-        # session 46: r1 pipelined by one chunk (each dest source and window); dests
-        # stored in the rank array
-        ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, match_ahead=True"),
-        ("ranks", "pos", "recompute", "int64", 10_000, "ahead=4, match_ahead=True"),
-        ("ranks", "dest", "stored", "int64", 10_000, "match_ahead=True"),
-        ("ranks", "dest", "aliased", "int32", 1 << 44, "prefetch=True"),
-        ("ranks", "pos", "aliased", "int64", 10_000, "match_ahead=True, narrow=True"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

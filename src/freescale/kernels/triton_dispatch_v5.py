@@ -447,13 +447,7 @@ def _warp_rank(d, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr):
     WC[w][d] plus its earlier same-dest lanes, by match.any), and the counter advanced by
     the dest's last lane. Returns (rank, sync): sync is a dummy 0 that, added to the next
     shared address, keeps the next access after the warp's counter update."""
-    return _warp_rank_peers(d, _match_any(d), m, w, below, above, WC, WROW)
-
-
-@gluon.jit
-def _warp_rank_peers(d, peers, m, w, below, above, WC: gl.constexpr, WROW: gl.constexpr):
-    """`_warp_rank` with the chunk's ``match.any`` peers computed by the caller (the
-    ordered loop with ``match_ahead`` issues them one chunk early)."""
+    peers = _match_any(d)
     earlier = _popc(peers & below)
     last = (peers & above) == 0
     a = WC + (w * WROW + gl.where(m, d, 0)) * 2
@@ -786,21 +780,11 @@ def _r1_first(values_ptr, start, wloc, wend, AHEAD: gl.constexpr):
 
 
 @gluon.jit
-def _shift_window(ids_1, ids_2, ids_3, ids_4, nxt, AHEAD: gl.constexpr):
-    """The ordered loop's window of AHEAD (2 or 4) chunks in flight, moved on by one:
-    `nxt` (the newest chunk's ids) enters at the end."""
-    if AHEAD == 4:
-        return ids_2, ids_3, ids_4, nxt
-    return ids_2, nxt, ids_3, ids_4
-
-
-@gluon.jit
 def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
-                DAL: gl.constexpr, MAH: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -818,11 +802,6 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     mapping ids (its ordered loop waited on each id's global load: Nsight Compute put
     15% of the kernel's stall samples on that wait at W = 1024 on an H100, session 34),
     and r2 reads the dest instead of mapping the id again.
-    DAL (``dests="aliased"``): p0 as with DST, but into RNK (no shared bytes more): r1
-    reads each id's dest from RNK[i] and stores its rank over it; r2 maps the id again.
-    MAH (``match_ahead=True``): r1 software-pipelined by one chunk: the dest and the
-    ``match.any`` of chunk c + 1 are issued before chunk c's counter update, so that
-    their latency overlaps that dependent shared load and store.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
     stores in r2. 0 compiles the full kernel."""
@@ -835,8 +814,8 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     WC_WORDS: gl.constexpr = NW * WROW // 2
     DSLOT: gl.constexpr = WC + WC_WORDS * 4
     RNK: gl.constexpr = DSLOT + TILE * (4 if POS else 2)
-    DEST: gl.constexpr = RNK + (0 if DAL else TILE * 2)  # DAL: the dests sit in RNK
-    WTOT: gl.constexpr = RNK + TILE * 2 + (TILE * 2 if DST else 0)
+    DEST: gl.constexpr = RNK + TILE * 2
+    WTOT: gl.constexpr = DEST + (TILE * 2 if DST else 0)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
@@ -846,7 +825,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
-    if DST or DAL:
+    if DST:
         # (p0) every id in any order: its dest to DEST (the barrier is _zero_words')
         for j0 in range(0, n_t, CH * U):
             loc = j0 + e2
@@ -863,24 +842,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     _zero_words(WC, WC_WORDS, e, CH)
     # (r1) per warp, in input order: rank within the warp among ids of the same dest
     # (match.any peers + the warp's running count) to RNK
-    if (DST or DAL) and MAH:
-        # chunk c + 1's dest (for DAL read before chunk c + 1's rank overwrites it) and
-        # peers first, then chunk c's counter update
-        m0 = wloc < wend
-        d_r = gl.where(m0, _sh_ld16(DEST + gl.where(m0, wloc, 0) * 2), -1)
-        p_r = _match_any(d_r)
-        for c in range(0, SUB, 32):
-            loc = wloc + c
-            m = loc < wend
-            ln = loc + 32
-            mn = ln < wend
-            dn = gl.where(mn, _sh_ld16(DEST + gl.where(mn, ln, 0) * 2), -1)
-            pn = _match_any(dn)
-            rank, sync = _warp_rank_peers(d_r, p_r, m, w, below, above, WC, WROW)
-            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, m.to(gl.int32))
-            d_r = dn
-            p_r = pn
-    elif DST or DAL:
+    if DST:
         for c in range(0, SUB, 32):
             loc = wloc + c
             m = loc < wend
@@ -888,31 +850,6 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
-    elif MAH:
-        # as below, one chunk further ahead: the window holds chunks c + 1 .. c + AHEAD
-        # while chunk c is ranked; chunk c + 1's dest and peers are issued before it
-        ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
-        m0 = wloc < wend
-        d_r = gl.where(m0, _dest_local(ids_1, blk, inv, WORLD, MODULO, NARROW)[0], -1)
-        p_r = _match_any(d_r)
-        ahead = wloc + 32 * AHEAD
-        nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
-        ids_1, ids_2, ids_3, ids_4 = _shift_window(ids_1, ids_2, ids_3, ids_4, nxt, AHEAD)
-        for c in range(0, SUB, 32):
-            loc = wloc + c
-            m = loc < wend
-            ln = loc + 32
-            mn = ln < wend
-            ids_n = ids_1
-            ahead = ln + 32 * AHEAD
-            nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
-            ids_1, ids_2, ids_3, ids_4 = _shift_window(ids_1, ids_2, ids_3, ids_4, nxt, AHEAD)
-            dn = gl.where(mn, _dest_local(ids_n, blk, inv, WORLD, MODULO, NARROW)[0], -1)
-            pn = _match_any(dn)
-            rank, sync = _warp_rank_peers(d_r, p_r, m, w, below, above, WC, WROW)
-            _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, m.to(gl.int32))
-            d_r = dn
-            p_r = pn
     else:
         # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
         # issued before chunk c is ranked); AHEAD = 2 or 4
@@ -1014,8 +951,6 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
-    DAL: gl.constexpr,
-    MAH: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -1042,15 +977,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP, DAL, MAH)  # fmt: skip
+                        True, L2PF, SKIP)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP, DAL, MAH)  # fmt: skip
+                        False, L2PF, SKIP)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP, DAL, MAH)  # fmt: skip
+                    L2PF, SKIP)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1099,10 +1034,6 @@ class V5Config:
         Measured on one H100 at 2^26 ids (`dispatch_v5_dst_h100_123d8b2.json`): W = 1024
         0.354 of the floor with unroll 4 against 0.340 for the default; 3-8% slower at
         W = 64 and 256 with 4096-id tiles, 4-7% faster with 2048-id tiles. Opt-in.
-        "aliased" (session 46): the same pass, but the dests go into the rank array,
-        which r1 overwrites with each id's rank after reading its dest, and placement
-        maps the id again: no shared bytes more, so the 8192-id int32-staged tiles of
-        the W >= 512 default still fit twice per SM (with "stored" they fit once).
     staging: with ``scatter="ranks"``, the width of a staged value: "int64" or "int32"
         (4 bytes less per id). A value outside [0, 2^31 - 1) is stored straight to its
         output position instead and its slot marked -1, so every id stays exact (GPU
@@ -1156,13 +1087,6 @@ class V5Config:
         against 1.50 ms); faster only on configs the table does not use there (W = 2048,
         8192-id tiles, n = 66: 2.10 against 2.32 ms; the default's 16384-id tiles: 1.92);
         opt-in.
-    match_ahead: with ``scatter="ranks"``, the ordered loop (r1) issues the dest and the
-        ``match.any`` of the next chunk of 32 ids before the counter update of the chunk
-        it ranks (software pipelining by one chunk; with ``dests="recompute"`` the id
-        window then reaches one chunk further). Aimed at the W = 1024 profile's stalls on
-        ``match.any``'s result (15-20% of the scatter's samples, sessions 34 and 40),
-        which the counter update, a dependent shared load and store, cannot hide
-        otherwise. Opt-in (session 46).
     diag_skip: **timing diagnostics only; the call's output is incomplete.** With
         ``scatter="ranks"``: 1 skips the write-out of the staged values (step d), 2 the
         perm stores of step r2, 3 both, so that `benchmarks/dispatch_v5.py` can time what
@@ -1190,7 +1114,6 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
-    match_ahead: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1282,7 +1205,7 @@ def table_name(card: Optional[str]) -> Optional[str]:
 SCATTERS = ("staged", "ranks")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
-DESTS = ("recompute", "stored", "aliased")
+DESTS = ("recompute", "stored")
 STAGINGS = ("int64", "int32")
 SNAPS = {"int32": torch.int32, "int16": torch.int16}
 
@@ -1329,8 +1252,6 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
-        meta["DAL"] = cfg.dests == "aliased"
-        meta["MAH"] = cfg.match_ahead
     return meta
 
 
@@ -1378,15 +1299,11 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"staging must be one of {STAGINGS}, got {cfg.staging!r}")
     if cfg.staging == "int32" and cfg.scatter != "ranks":
         raise ValueError(f'staging="int32" is an option of scatter="ranks", got {cfg.scatter!r}')
-    if cfg.dests != "recompute" and cfg.scatter != "ranks":
+    if cfg.dests == "stored" and cfg.scatter != "ranks":
         raise ValueError(
-            f'dests="{cfg.dests}" is an option of scatter="ranks" (the staged scatter keeps '
-            f"its dests in shared memory already), got scatter={cfg.scatter!r}"
+            'dests="stored" is an option of scatter="ranks" (the staged scatter keeps its '
+            f"dests in shared memory already), got scatter={cfg.scatter!r}"
         )
-    if not isinstance(cfg.match_ahead, bool):
-        raise ValueError(f"match_ahead must be True or False, got {cfg.match_ahead!r}")
-    if cfg.match_ahead and cfg.scatter != "ranks":
-        raise ValueError(f'match_ahead=True is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.scatter == "ranks" and t < 32 * cfg.scatter_warps:
         raise ValueError(
             f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
