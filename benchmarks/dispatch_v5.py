@@ -249,10 +249,6 @@ for _base in H100_BASES:
 for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
-# session 46: the ordered loop's per-warp counters in registers (`counters="registers"`,
-# W <= 64) on the small-W configs of both tables
-for _base in ("ranks_t4096_c8_s16_u2_sn16", "ranks_t2048_c4_s8_u4_sn16", "ranks_t2048_c4_s8_u4"):
-    CONFIGS[f"{_base}_rg"] = {**CONFIGS[_base], "counters": "registers"}
 
 
 def _diff(a, b) -> list[str]:

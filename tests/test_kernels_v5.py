@@ -79,13 +79,6 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="kept"))
     with pytest.raises(ValueError, match='dests="stored" is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(dests="stored"))
-    with pytest.raises(ValueError, match="counters must be one of"):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(counters="regs"))
-    with pytest.raises(ValueError, match='counters="registers" is an option of scatter="ranks"'):
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(counters="registers"))
-    with pytest.raises(ValueError, match='counters="registers" is an option of scatter="ranks"'):
-        cfg = v5.V5Config(scatter="ranks", dests="stored", counters="registers")
-        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=cfg)
     with pytest.raises(ValueError, match="staging must be one of"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(staging="int16"))
     with pytest.raises(ValueError, match='staging="int32" is an option of scatter="ranks"'):
@@ -248,15 +241,6 @@ def _run_fresh(tmp_path, code: str) -> dict:
          "l2_prefetch=True, narrow=True"),
         (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
          'prefetch=True, snaps="int16", l2_ahead=264'),
-        # session 46: the ordered loop's counters in registers (W <= 64; 1024: shared)
-        (64, 4096, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int64",
-         'snaps="int16", counters="registers"'),
-        (33, 2048, 8, 4, True, "int32", "ranks", "rows", "pos", "recompute", "int32",
-         'ahead=4, narrow=True, counters="registers"'),
-        (1, 256, 1, 1, False, "int64", "ranks", "rows", "dest", "recompute", "int64",
-         'counters="registers"'),
-        (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
-         'prefetch=True, counters="registers"'),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -288,11 +272,7 @@ cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unrol
                   staging="{staging}", **dict({knobs}))
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
-used = ("st.shared.u64", "st.shared.u16", "shfl.sync.up")
-if v5.register_counters(cfg, {world}):  # the ordered loop by ballots and shuffles
-    used += ("vote.sync.ballot", "shfl.sync.idx")
-else:
-    used += ("match.any.sync", "bar.warp.sync")
+used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
 used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
 used += ("st.shared.u32",) if cfg.slots == "pos" else ()
 assert "atom.shared" in kernels["count"].asm["ptx"]
@@ -358,34 +338,6 @@ print(json.dumps(out))
     regs = got["int32"]["regs"]
     if regs is not None:  # Triton's bundled cuobjdump: 3 programs of 512 threads
         assert 3 * 512 * regs <= 65536, got
-
-
-@needs_ptxas
-def test_register_counters_replace_the_shared_ones_up_to_w64(tmp_path) -> None:
-    """``counters="registers"`` (session 46): up to W = 64 the ordered loop ranks with
-    ballots and shuffles (one ballot per dest bit and one for the valid lanes; a second
-    shuffle only past 32 dests) and no ``match.any``; above 64 it compiles the default's
-    scatter exactly."""
-    got = _run_fresh(
-        tmp_path,
-        """
-import json
-from freescale.kernels import triton_dispatch_v5 as v5
-base = dict(tile=4096, count_warps=8, scatter_warps=16, unroll=2, scatter="ranks")
-out = {}
-for world in (8, 32, 64, 65):
-    ptx = {c: v5.compile_v5(world, v5.V5Config(**base, counters=c))["scatter"].asm["ptx"]
-           for c in ("shared", "registers")}
-    reg = ptx["registers"]
-    out[world] = {"ballots": reg.count("vote.sync.ballot"), "shfl": reg.count("shfl.sync.idx"),
-                  "match": reg.count("match.any"), "same": reg == ptx["shared"]}
-print(json.dumps(out))
-""",
-    )
-    assert got["8"] == {"ballots": 4, "shfl": 1, "match": 0, "same": False}, got
-    assert got["32"] == {"ballots": 6, "shfl": 1, "match": 0, "same": False}, got
-    assert got["64"] == {"ballots": 7, "shfl": 2, "match": 0, "same": False}, got
-    assert got["65"]["same"] and got["65"]["match"] == 1, got
 
 
 @needs_ptxas
@@ -572,10 +524,6 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
         # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
-        # session 46: counters in registers (W = 1 and 8; 1024 takes the shared ones)
-        ("ranks", "dest", "recompute", "int64", 10_000, 'counters="registers"'),
-        ("ranks", "pos", "recompute", "int32", 1 << 44, 'ahead=4, counters="registers"'),
-        ("ranks", "dest", "recompute", "int64", 10_000, 'narrow=True, counters="registers"'),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

@@ -265,40 +265,6 @@ def _match_any(x):
 
 
 @gluon.jit
-def _ballot(x):
-    """vote.sync.ballot: per lane, the lanes of its warp where int32 x != 0 (an int32
-    mask, bit i for lane i)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
-        "=r,r",
-        [x],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _shfl_idx(x, src):
-    """shfl.sync.idx: per lane, int32 x of lane `src` (0..31) of its warp."""
-    return gl.inline_asm_elementwise(
-        "shfl.sync.idx.b32 $0, $1, $2, 31, -1;",
-        "=r,r,r",
-        [x, src],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _bit_match(eq, ballot, bits, b: gl.constexpr):
-    """`eq` narrowed to the lanes whose bit b agrees with bit b of `bits` (`ballot`: the
-    lanes whose bit b is set)."""
-    return eq & gl.where(((bits >> b) & 1) != 0, ballot, ~ballot)
-
-
-@gluon.jit
 def _warp_inclusive_scan(x):
     """Inclusive prefix sum of int32 x over the lanes of each warp (PTX shfl.sync.up;
     element i of a warp's 32 must live in lane i)."""
@@ -818,8 +784,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                 NW: gl.constexpr, U: gl.constexpr, POS: gl.constexpr, DST: gl.constexpr,
                 V32: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr,
-                REG: gl.constexpr, KB: gl.constexpr):  # fmt: skip
+                NARROW: gl.constexpr, L2PF: gl.constexpr, SKIP: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_ranks_kernel` for tile t (ids values[start : start + n_t],
     key block size blk, inv = 1 / blk): the only loop in input order per warp does just
     what stability needs; the random shared
@@ -838,11 +803,6 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
     15% of the kernel's stall samples on that wait at W = 1024 on an H100, session 34),
     and r2 reads the dest instead of mapping the id again.
     NARROW: dests and local rows by `owner_local_narrow` (the caller checked `narrow_ok`).
-    REG (``counters="registers"``, W <= 64, no DST): r1 keeps the warp's per-dest
-    counters in registers (dest d: lane d % 32, register d // 32) instead of shared
-    memory; a chunk's same-dest lanes and each dest's count in the chunk come from KB
-    ballots (one per dest bit), an id's base count from its dest's lane by a shuffle. No
-    shared access in r1 but the rank store; the counters go to WC once, after the loop.
     SKIP (``V5Config(diag_skip=...)``, timing only): odd, no write-out (d); 2 or 3, no perm
     stores in r2. 0 compiles the full kernel."""
     CH: gl.constexpr = NW * 32
@@ -890,48 +850,6 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
             d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
             rank, sync = _warp_rank(d, m, w, below, above, WC, WROW)
             _sh_st16(RNK + gl.where(m, loc, 0) * 2 + sync, rank, mi)
-    elif REG:
-        # per lane two counters: dests lane and 32 + lane of this warp; ids as below
-        ids_1, ids_2, ids_3, ids_4 = _r1_first(values_ptr, start, wloc, wend, AHEAD)
-        cnt0 = lane * 0
-        cnt1 = lane * 0
-        for c in range(0, SUB, 32):
-            loc = wloc + c
-            m = loc < wend
-            ids = ids_1
-            ahead = loc + 32 * AHEAD
-            nxt = gl.load(values_ptr + start + ahead, mask=ahead < wend, other=0).to(gl.int64)
-            if AHEAD == 4:
-                ids_1 = ids_2
-                ids_2 = ids_3
-                ids_3 = ids_4
-                ids_4 = nxt
-            else:
-                ids_1 = ids_2
-                ids_2 = nxt
-            mi = m.to(gl.int32)
-            d = gl.where(m, _dest_local(ids, blk, inv, WORLD, MODULO, NARROW)[0], 0)
-            valid = _ballot(mi)
-            own = valid  # lanes with this lane's dest
-            eq0 = valid  # lanes with dest == lane
-            eq1 = valid  # lanes with dest == 32 + lane
-            for b in gl.static_range(KB):
-                bb = _ballot((d >> b) & 1)
-                own = _bit_match(own, bb, d, b)
-                eq0 = _bit_match(eq0, bb, lane, b)
-                if KB > 5:  # dests 32 .. 63 exist
-                    eq1 = _bit_match(eq1, bb, lane + 32, b)
-            base = _shfl_idx(cnt0, d & 31)
-            if KB > 5:
-                base = gl.where(d >= 32, _shfl_idx(cnt1, d & 31), base)
-            rank = base + _popc(own & below)
-            _sh_st16(RNK + gl.where(m, loc, 0) * 2, rank, mi)
-            cnt0 += _popc(eq0)
-            if KB > 5:
-                cnt1 += _popc(eq1)
-        # the warp's counts to its WC row (every entry below WROW <= 64: no zero needed)
-        _sh_st16(WC + (w * WROW + lane) * 2, cnt0, (lane < WROW).to(gl.int32))
-        _sh_st16(WC + (w * WROW + 32 + lane) * 2, cnt1, (lane + 32 < WROW).to(gl.int32))
     else:
         # the next AHEAD chunks' ids are in flight (the loads of chunk c + AHEAD are
         # issued before chunk c is ranked); AHEAD = 2 or 4
@@ -1033,8 +951,6 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
-    REG: gl.constexpr,
-    KB: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -1061,15 +977,15 @@ def _v5_scatter_ranks_kernel(
         if narrow_ok(blk, WORLD):
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        True, L2PF, SKIP, REG, KB)  # fmt: skip
+                        True, L2PF, SKIP)  # fmt: skip
         else:
             _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk,
                         inv, WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH,
-                        False, L2PF, SKIP, REG, KB)  # fmt: skip
+                        False, L2PF, SKIP)  # fmt: skip
     else:
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
-                    L2PF, SKIP, REG, KB)  # fmt: skip
+                    L2PF, SKIP)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1171,13 +1087,6 @@ class V5Config:
         against 1.50 ms); faster only on configs the table does not use there (W = 2048,
         8192-id tiles, n = 66: 2.10 against 2.32 ms; the default's 16384-id tiles: 1.92);
         opt-in.
-    counters: with ``scatter="ranks"`` and ``dests="recompute"``, where the ordered loop
-        (r1) keeps each warp's per-dest counters: "shared" (one row of W uint16 per warp;
-        per 32 ids a dependent shared load and store around ``match.any``) or
-        "registers" (up to W = 64, `REG_MAX_WORLD`; two counters per lane, updated from
-        one ``vote.ballot`` per dest bit, read by one or two shuffles; the row written to
-        shared memory once after the loop). Larger W take the shared counters. Opt-in
-        (session 46).
     diag_skip: **timing diagnostics only; the call's output is incomplete.** With
         ``scatter="ranks"``: 1 skips the write-out of the staged values (step d), 2 the
         perm stores of step r2, 3 both, so that `benchmarks/dispatch_v5.py` can time what
@@ -1205,7 +1114,6 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
-    counters: str = "shared"
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1299,8 +1207,6 @@ COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
 STAGINGS = ("int64", "int32")
-COUNTERS = ("shared", "registers")
-REG_MAX_WORLD = 64  # counters="registers": two per lane
 SNAPS = {"int32": torch.int32, "int16": torch.int16}
 
 
@@ -1322,18 +1228,6 @@ def _narrow(cfg: V5Config, modulo: bool) -> bool:
     """Whether the kernels take the 32-bit path on tiles that allow it (block mode only:
     modulo mode's owner and row are a mask and a shift at a power-of-two W already)."""
     return cfg.narrow and not modulo
-
-
-def register_counters(cfg: V5Config, world_size: int) -> bool:
-    """Whether the ranks scatter's ordered loop keeps its counters in registers
-    (``counters="registers"``; up to `REG_MAX_WORLD` dests, dests recomputed: elsewhere
-    the shared counters)."""
-    return (
-        cfg.counters == "registers"
-        and world_size <= REG_MAX_WORLD
-        and cfg.scatter == "ranks"
-        and cfg.dests == "recompute"
-    )
 
 
 def _v32(cfg: V5Config) -> bool:
@@ -1358,8 +1252,6 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
         meta["L2PF"] = cfg.l2_prefetch
         meta["L2AH"] = cfg.l2_ahead
         meta["SKIP"] = cfg.diag_skip
-        meta["REG"] = register_counters(cfg, world_size)
-        meta["KB"] = max(1, (world_size - 1).bit_length())  # bits of a dest
     return meta
 
 
@@ -1399,13 +1291,6 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f'diag_skip > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
     if cfg.narrow and cfg.scatter != "ranks":
         raise ValueError(f'narrow=True is an option of scatter="ranks", got {cfg.scatter!r}')
-    if cfg.counters not in COUNTERS:
-        raise ValueError(f"counters must be one of {COUNTERS}, got {cfg.counters!r}")
-    if cfg.counters == "registers" and (cfg.scatter != "ranks" or cfg.dests != "recompute"):
-        raise ValueError(
-            'counters="registers" is an option of scatter="ranks" with dests="recompute", '
-            f"got scatter={cfg.scatter!r}, dests={cfg.dests!r}"
-        )
     if cfg.ahead not in (2, 4):
         raise ValueError(f"ahead must be 2 or 4, got {cfg.ahead}")
     if cfg.snaps not in SNAPS:
