@@ -66,6 +66,7 @@ from .placement import (
     thread_affinities,
     topology_summary,
 )
+from .progress import make_progress
 
 if TYPE_CHECKING:
     from ..comm.copy_engine import SMFreeConfig
@@ -868,14 +869,8 @@ class Trainer:
         for h in self.hooks:
             h.on_train_start(self)
         show = cfg.progress and self.rank == 0
-        bar = None
-        if show:
-            try:
-                from tqdm import tqdm
-
-                bar = tqdm(total=steps, desc="train", file=sys.stdout, dynamic_ncols=True)
-            except ImportError:  # pragma: no cover
-                bar = None
+        # tqdm on a terminal, plain lines in a pipe or a log file (`make_progress`)
+        bar = make_progress(steps, "train") if show else None
         warmup = min(5, steps // 10)
         first, last = self.step + 1, self.step + steps
         # profiled window: the last profile_steps steps, after warm-up, excluded from QPS
