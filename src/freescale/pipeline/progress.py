@@ -3,7 +3,7 @@
 Owns `make_progress`: a tqdm bar where the output is a terminal, and `LineProgress`
 elsewhere (a pipe, a file, a cluster job's log), which prints one plain line every
 ``total / lines`` steps and at the last one instead of tqdm's carriage-return redraws
-(about ten a second: thousands of ``\\r`` fragments per minute in a log file). Both take
+(up to ten a second: hundreds of ``\\r`` fragments per minute in a log file). Both take
 the same four calls from the trainer: ``update(n)``, ``set_postfix(**values)``,
 ``write(msg)`` and ``close()``.
 """
