@@ -68,11 +68,12 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     if "H200" in card:  # the small-W A/B twice (into two folders), v5's defaults checked
+        # between them (a call cut short by the device budget keeps one run and the check)
         assert len(steps) == 3, steps
-        for step, run in zip(steps[:2], ("ab1", "ab2")):
+        for step, run in zip((steps[0], steps[2]), ("ab1", "ab2")):
             assert "dispatch_v5.py" in step and f"--out {tmp_path}/{run} " in step, step
             assert "--worlds 256 128 64 32 " in step and "FREESCALE_V5_TABLE" not in step
-        assert "check_kernels_cuda.py --only auto" in steps[2], steps
+        assert "check_kernels_cuda.py --only auto" in steps[1], steps
     else:  # the H100 figure at d37773f is current: nothing to run there
         assert steps == [] and "nothing queued for an H100" in done.stdout, done.stdout
     known = _dispatch_v5_configs()
