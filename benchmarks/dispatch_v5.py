@@ -250,6 +250,12 @@ for _base in H100_BASES:
     for _suffix, _skip in (("_nowo", 1), ("_noperm", 2), ("_nostore", 3)):
         CONFIGS[f"{_base}{_suffix}"] = {**CONFIGS[_base], "diag_skip": _skip}
 
+# session 47: the scatter takes the tiles last first (`V5Config(reverse=True)`), so that its
+# first id reads may hit the L2 lines the count kernel read last; on each table's configs
+for _base in ("v5_t2048_w4_u4", "ranks_t2048_c4_s8_u4", "ranks_t2048_c4_s8_u4_sn16",
+              *H100_BASES):  # fmt: skip
+    CONFIGS[f"{_base}_rev"] = {**CONFIGS[_base], "reverse": True}
+
 
 def _diff(a, b) -> list[str]:
     return [f for f in FIELDS if not torch.equal(getattr(a, f), getattr(b, f))]
@@ -322,6 +328,11 @@ def check(v5, g: torch.Generator, only: Optional[list[str]] = None) -> int:
                                     scatter="ranks", staging="int32"),
                         v5.V5Config(tile=4096, count_warps=8, scatter_warps=16, unroll=2,
                                     scatter="ranks", staging="int32"),
+                        # session 47: the scatter takes the tiles last first
+                        v5.V5Config(tile=256, count_warps=1, scatter_warps=1, unroll=1,
+                                    reverse=True),
+                        v5.V5Config(tile=512, count_warps=2, scatter_warps=4, unroll=2,
+                                    scatter="ranks", staging="int32", reverse=True),
                     )  # fmt: skip
                     named = [v5.V5Config(**CONFIGS[c]) for c in only or ()]
                     for cfg in named or builtin:

@@ -10,8 +10,12 @@
 #         W = 256, 128, 64 and 32, twice (ab1/, ab2/), to decide the H200's table there;
 #         then `check_kernels_cuda.py --only auto` (v5's adopted defaults at W = 1024 and
 #         4096 checked bitwise on an H200).
-#   H100: nothing (session 43 ran the H100 figure after session 42's table change below
-#         W = 32: `kernels_h100_d37773f.json`).
+#         Session 47 adds `V5Config(reverse=True)` (the scatter takes the tiles last
+#         first, so that its first id reads may hit what the count kernel left in L2):
+#         the table's W = 32..256 config reversed in both A/B runs, and the W = 16 and
+#         W = 1024 configs reversed once (abx/).
+#   H100: the H100 table's configs reversed at W = 1024, 256, 64 and 32, twice (ab1/,
+#         ab2/; the H100 figure itself is current, `kernels_h100_d37773f.json`).
 #   Earlier calls: session 46 timed three opt-in options of the ranks scatter on an H100
 #   (`dispatch_v5_s46_h100_08354e1.json`: `match_ahead`, the ordered loop pipelined by one
 #   chunk, 1.000x the base at W = 1024 (twice), 0.985x at 2048, 1.025x at 64;
@@ -36,7 +40,7 @@
 # base tree and this one in one call with PYTHONPATH=_ab/SHA/src for the first run.
 #
 # Each step has its own time limit and prints its exit status; the script's status is 1
-# when any failed. Results land under DIR (ab1/, ab2/, *.log).
+# when any failed. Results land under DIR (ab1/, ab2/, abx/, *.log).
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = extract ]; then
   rm -rf _ab && mkdir -p "_ab/$2" && git archive "$2" src | tar -x -C "_ab/$2" && ls "_ab/$2/src"
@@ -76,17 +80,21 @@ case $CARD in
   *H200*)
     # v5_default is the H200 table at these W; each config timed next to it, twice
     # (the check between the runs: a call cut short by the device budget keeps one run
-    # and the check)
+    # and the check); _rev: the table's config at W = 32..256 with the tiles last first
     SMALL="ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t2048_c4_s8_u4_sn16"
-    ab 100 ab1 "256 128 64 32" "$SMALL"
+    SMALL="$SMALL ranks_t2048_c4_s8_u4_rev ranks_t2048_c4_s8_u4_sn16_rev"
+    ab 180 ab1 "256 128 64 32" "$SMALL"
+    # the table's configs reversed at the ends of the sweep (W = 16: staged; 1024: H100's)
+    ab 90 abx "1024 16" "v5_t2048_w4_u4_rev ranks_t8192_c8_s16_u2_v32_pf_sn16_rev"
     step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
-    ab 100 ab2 "256 128 64 32" "$SMALL"
+    ab 180 ab2 "256 128 64 32" "$SMALL"
     ;;
   *)
-    # session 43 ran the H100 figure at d37773f (`kernels_h100_d37773f.json`): nothing
-    # new to time on an H100 until the code changes, so a call that lands there costs
-    # only its start
-    echo "nothing queued for an H100 (its figure at d37773f is current): ask for an H200"
+    # the H100 table's configs with the tiles last first (session 47's `reverse`), twice;
+    # the H100 figure itself is current (`kernels_h100_d37773f.json`)
+    REV="ranks_t4096_c8_s16_u2_sn16_rev ranks_t8192_c8_s16_u2_v32_pf_sn16_rev"
+    ab 150 ab1 "1024 256 64 32" "$REV"
+    ab 150 ab2 "1024 256 64 32" "$REV"
     ;;
 esac
 exit $fail

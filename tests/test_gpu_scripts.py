@@ -69,13 +69,17 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     if "H200" in card:  # the small-W A/B twice (into two folders), v5's defaults checked
         # between them (a call cut short by the device budget keeps one run and the check)
-        assert len(steps) == 3, steps
-        for step, run in zip((steps[0], steps[2]), ("ab1", "ab2")):
+        assert len(steps) == 4, steps
+        for step, run in zip((steps[0], steps[3]), ("ab1", "ab2")):
             assert "dispatch_v5.py" in step and f"--out {tmp_path}/{run} " in step, step
             assert "--worlds 256 128 64 32 " in step and "FREESCALE_V5_TABLE" not in step
-        assert "check_kernels_cuda.py --only auto" in steps[1], steps
-    else:  # the H100 figure at d37773f is current: nothing to run there
-        assert steps == [] and "nothing queued for an H100" in done.stdout, done.stdout
+            assert "ranks_t2048_c4_s8_u4_rev" in step, step
+        assert f"--out {tmp_path}/abx " in steps[1] and "--worlds 1024 16 " in steps[1]
+        assert "check_kernels_cuda.py --only auto" in steps[2], steps
+    else:  # the H100 table's configs reversed, twice
+        assert len(steps) == 2, steps
+        for step, run in zip(steps, ("ab1", "ab2")):
+            assert f"--out {tmp_path}/{run} " in step and "_rev" in step, step
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|check-configs|ncu-config) ([\w ]+?)(?: --|$)", step):

@@ -102,6 +102,11 @@ def test_config_errors_are_clear() -> None:
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(l2_ahead=264))
     with pytest.raises(ValueError, match='narrow=True is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(narrow=True))
+    with pytest.raises(ValueError, match="reverse must be True or False"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(reverse=1))
+    both = v5.V5Config(scatter="ranks", reverse=True, l2_ahead=4)
+    with pytest.raises(ValueError, match="reverse=True and l2_ahead > 0 do not combine"):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=both)
     for bad in (-1, 4, True):
         with pytest.raises(ValueError, match="diag_skip must be 0, 1, 2 or 3"):
             v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(diag_skip=bad))
@@ -241,6 +246,10 @@ def _run_fresh(tmp_path, code: str) -> dict:
          "l2_prefetch=True, narrow=True"),
         (1024, 8192, 16, 2, False, "int64", "ranks", "rows", "dest", "recompute", "int32",
          'prefetch=True, snaps="int16", l2_ahead=264'),
+        (64, 2048, 8, 4, False, "int64", "ranks", "rows", "dest", "recompute", "int64",
+         'snaps="int16", reverse=True'),
+        (7, 256, 4, 2, True, "int32", "staged", "rows", "dest", "recompute", "int64",
+         "reverse=True"),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -287,6 +296,8 @@ print(json.dumps({{
     "snaps16": ("st.global.b16" in kernels["count"].asm["ptx"]) == (cfg.snaps == "int16"),
     # l2_prefetch / l2_ahead: the bulk L2 prefetch, in the ranks scatter only
     "l2": ("cp.async.bulk.prefetch.L2" in ptx) == (cfg.l2_prefetch or cfg.l2_ahead > 0),
+    # reverse / l2_ahead: the only readers of the grid size in the scatter
+    "grid": ("%nctaid.x" in ptx) == (cfg.reverse or cfg.l2_ahead > 0),
     # narrow, int64 ids in block mode: both kernels hold the 32-bit path (int32 -> float
     # estimates) next to the 64-bit one (int32 ids are estimated from int32 either way)
     "narrow": "{dtype}" == "int32" or {modulo} or all(
@@ -298,6 +309,7 @@ print(json.dumps({{
     assert got["snaps16"]
     assert got["narrow"]
     assert got["l2"]
+    assert got["grid"]
     assert got["supported"]
     assert got["needed"] <= got["shared"] <= got["limit"]
     assert got["missing"] == []
@@ -524,6 +536,9 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("ranks", "dest", "recompute", "int64", 10_000, "l2_prefetch=True, narrow=True"),
         # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
+        # session 47: the scatter takes the tiles last first
+        ("ranks", "dest", "recompute", "int32", 1 << 44, 'prefetch=True, reverse=True'),
+        ("staged", "dest", "recompute", "int64", 10_000, "reverse=True"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])

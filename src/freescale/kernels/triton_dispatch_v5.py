@@ -403,10 +403,14 @@ def _dest_local(ids, blk, inv, WORLD: gl.constexpr, MODULO: gl.constexpr,
 
 
 @gluon.jit
-def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr):
-    """Tile t = this program: (t as int64, its first id, its id count, its key's block
-    size, 1 / block size as float32 for `_owner_inv`)."""
+def _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr, block_sizes_ptr,
+                 REV: gl.constexpr):  # fmt: skip
+    """Tile t of this program: (t as int64, its first id, its id count, its key's block
+    size, 1 / block size as float32 for `_owner_inv`). t = the program id, or with REV
+    (``V5Config(reverse=True)``) the grid's last tile first."""
     t = gl.program_id(0).to(gl.int64)
+    if REV:
+        t = gl.num_programs(0).to(gl.int64) - 1 - t
     key = gl.load(tile_key_ptr + t)
     start = gl.load(tile_start_ptr + t)
     end = gl.load(tile_end_ptr + t)
@@ -659,6 +663,7 @@ def _v5_scatter_kernel(
     B1: gl.constexpr,
     B2: gl.constexpr,
     B3: gl.constexpr,
+    REV: gl.constexpr,
 ):
     """Tile t (see the module docstring, steps a-d). Shared layout (bytes from the
     reserved buffer): VAL [TILE] int64 staging; SHIFT [W] int64 (et[t, d] minus the
@@ -688,7 +693,7 @@ def _v5_scatter_kernel(
     if B3 > 0:
         buf3 = _reserve(B3)
     t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                           block_sizes_ptr)  # fmt: skip
+                                           block_sizes_ptr, REV)  # fmt: skip
     sub = (n_t + CH * U - 1) // (CH * U) * (32 * U)  # ids per warp, a multiple of 32 U
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
@@ -951,6 +956,7 @@ def _v5_scatter_ranks_kernel(
     L2PF: gl.constexpr,
     L2AH: gl.constexpr,
     SKIP: gl.constexpr,
+    REV: gl.constexpr,
 ):
     """Tile t, ``scatter="ranks"`` (the module docstring's steps r1, b, r2, d; the work is
     `_ranks_tile`'s). NARROW (``V5Config(narrow=True)``, block mode): a tile whose key
@@ -969,7 +975,7 @@ def _v5_scatter_ranks_kernel(
     if B3 > 0:
         buf3 = _reserve(B3)
     t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
-                                           block_sizes_ptr)  # fmt: skip
+                                           block_sizes_ptr, REV)  # fmt: skip
     if L2AH > 0:
         _l2_prefetch_ahead(values_ptr, tile_start_ptr, tile_end_ptr, t + L2AH, TILE, NW,
                            layout)  # fmt: skip
@@ -1095,6 +1101,12 @@ class V5Config:
         by `default_config_v5`. On one H100 (`dispatch_v5_diagskip_h100_b96ca4f.json`), W =
         1024, the default's scatter: 0.999 ms, 0.726 without the write-out, 0.687 without
         any global store (the whole call 0.418 -> 0.508 / 0.529 of the HBM floor).
+    reverse: the scatter takes the tiles last first (program i runs tile num_tiles - 1 - i;
+        either scatter). The count kernel reads the ids first to last just before, so the
+        ids it read last may still sit in L2 (50 MB on an H100 or H200, against 512 MB of
+        int64 ids at 2^26) when the scatter reads them first: up to ~50 MB of the
+        scatter's id reads from L2 rather than HBM. Same bits: each tile writes only its
+        own precomputed output positions. Opt-in (session 47, untimed when added).
     """
 
     tile: int = 4096
@@ -1114,6 +1126,7 @@ class V5Config:
     l2_prefetch: bool = False
     l2_ahead: int = 0
     diag_skip: int = 0
+    reverse: bool = False
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1242,7 +1255,7 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
     """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
             "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
-            "B3": bufs[3]}  # fmt: skip
+            "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
@@ -1285,6 +1298,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"l2_ahead must be an int >= 0 (tiles ahead), got {cfg.l2_ahead!r}")
     if cfg.l2_ahead and cfg.scatter != "ranks":
         raise ValueError(f'l2_ahead > 0 is an option of scatter="ranks", got {cfg.scatter!r}')
+    if not isinstance(cfg.reverse, bool):
+        raise ValueError(f"reverse must be True or False, got {cfg.reverse!r}")
+    if cfg.reverse and cfg.l2_ahead:
+        raise ValueError("reverse=True and l2_ahead > 0 do not combine (l2_ahead looks forward)")
     if cfg.diag_skip not in (0, 1, 2, 3) or isinstance(cfg.diag_skip, bool):
         raise ValueError(f"diag_skip must be 0, 1, 2 or 3, got {cfg.diag_skip!r}")
     if cfg.diag_skip and cfg.scatter != "ranks":
