@@ -537,7 +537,7 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         # session 39: the sub-ranges of the tile 3 ahead (past the grid: the last tile's)
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, l2_ahead=3"),
         # session 47: the scatter takes the tiles last first
-        ("ranks", "dest", "recompute", "int32", 1 << 44, 'prefetch=True, reverse=True'),
+        ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, reverse=True"),
         ("staged", "dest", "recompute", "int64", 10_000, "reverse=True"),
     ],
 )
