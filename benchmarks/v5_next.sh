@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   H200: the H200 table below W = 512. Session 44's call (`dispatch_v5_candidate_h200_d4ce341.json`,
-#         one run) adopted the H100's large-W choices from W = 512 on the H200 and timed,
-#         next to the H200 table's below-512 choices, the 4096-id config with int16
-#         snapshots (the H100's from W = 32; 0.968 against 1.030 ms at W = 256), the
-#         8192-id config (0.867 against 0.901 at W = 128) and the 2048-id config with int16
-#         snapshots (0.774 against 0.777 at W = 64). This A/B times those again at
-#         W = 256, 128, 64 and 32, twice (ab1/, ab2/), to decide the H200's table there;
-#         then `check_kernels_cuda.py --only auto` (v5's adopted defaults at W = 1024 and
-#         4096 checked bitwise on an H200).
-#         Session 47 adds `V5Config(reverse=True)` (the scatter takes the tiles last
-#         first, so that its first id reads may hit what the count kernel left in L2):
-#         the table's W = 32..256 config reversed in both A/B runs, and the W = 16 and
-#         W = 1024 configs reversed once (abx/).
+#   H200: session 47's table (`default_config_v5`; measured at 88bebc9,
+#         `dispatch_v5_rev_h200_88bebc9.json`, two runs: the 2048-id ranks config with
+#         `reverse=True` took 0.950x the table before at W = 32 and 0.989x at 128, 1.002x
+#         at 64; the staged scatter reversed 0.942x at W = 16, one run; the 4096-id config
+#         with int16 snapshots 0.951x at W = 256) timed once more next to the configs it
+#         replaced at W = 8, 64 and 256 (ab3/), then `benchmarks/kernels.py` (the kernels
+#         figure, k/kernels.json, ~200 s).
 #   H100: the H100 table's configs reversed at W = 1024, 256, 64 and 32, twice (ab1/,
 #         ab2/; the H100 figure itself is current, `kernels_h100_d37773f.json`).
 #   Earlier calls: session 46 timed three opt-in options of the ranks scatter on an H100
@@ -40,7 +34,7 @@
 # base tree and this one in one call with PYTHONPATH=_ab/SHA/src for the first run.
 #
 # Each step has its own time limit and prints its exit status; the script's status is 1
-# when any failed. Results land under DIR (ab1/, ab2/, abx/, *.log).
+# when any failed. Results land under DIR (ab*/, k/, *.log).
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = extract ]; then
   rm -rf _ab && mkdir -p "_ab/$2" && git archive "$2" src | tar -x -C "_ab/$2" && ls "_ab/$2/src"
@@ -78,16 +72,12 @@ ab() { # ab SECONDS DIR WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no sep
 }
 case $CARD in
   *H200*)
-    # v5_default is the H200 table at these W; each config timed next to it, twice
-    # (the check between the runs: a call cut short by the device budget keeps one run
-    # and the check); _rev: the table's config at W = 32..256 with the tiles last first
-    SMALL="ranks_t4096_c8_s16_u2_sn16 ranks_t8192_c8_s16_u2_v32_pf_sn16 ranks_t2048_c4_s8_u4_sn16"
-    SMALL="$SMALL ranks_t2048_c4_s8_u4_rev ranks_t2048_c4_s8_u4_sn16_rev"
-    ab 180 ab1 "256 128 64 32" "$SMALL"
-    # the table's configs reversed at the ends of the sweep (W = 16: staged; 1024: H100's)
-    ab 90 abx "1024 16" "v5_t2048_w4_u4_rev ranks_t8192_c8_s16_u2_v32_pf_sn16_rev"
-    step 70 "$OUT/check_kernels.log" python3 benchmarks/check_kernels_cuda.py --only auto
-    ab 180 ab2 "256 128 64 32" "$SMALL"
+    # session 47's table (tiles last first below W = 256; the 4096-id config with int16
+    # snapshots from 256) is v5_default: timed next to the table before it (v5_t2048_w4_u4
+    # below 32, ranks_t2048_c4_s8_u4 to 256) and two candidates, then the kernels figure
+    OLD="v5_t2048_w4_u4 ranks_t2048_c4_s8_u4 ranks_t4096_c8_s16_u2_sn16_rev v5_t2048_w4_u4_rev"
+    ab 120 ab3 "8 64 256" "$OLD"
+    step 330 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
   *)
     # the H100 table's configs with the tiles last first (session 47's `reverse`), twice;

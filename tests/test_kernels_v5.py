@@ -158,8 +158,11 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
             assert v5.v5_supported(world, None, cfg), (name, world)
     for name in ("NVIDIA H200", "NVIDIA GH200 480GB", None):  # the H200 table
         assert v5.default_config_v5(8, name) == v5.default_config_v5(8)
-        assert v5.default_config_v5(64, name).tile == 2048
-        assert v5.default_config_v5(256, name).snaps == "int32"  # as kernels.json ran it
+        for world in range(1, 512):  # session 47: reversed tiles below 256, int16 snaps
+            cfg = v5.default_config_v5(world, name)
+            assert cfg.tile == (2048 if world < 256 else 4096), (name, world)
+            assert cfg.reverse == (world < 256), (name, world)
+            assert cfg.snaps == ("int32" if world < 32 else "int16"), (name, world)
         for world in (512, 1024, 2048, 4096):  # session 44: the H100's choices from 512
             h100 = v5.default_config_v5(world, "NVIDIA H100 80GB HBM3")
             assert v5.default_config_v5(world, name) == h100
@@ -173,13 +176,14 @@ def test_table_override_names_the_other_cards_table(monkeypatch) -> None:
     monkeypatch.delenv(v5.TABLE_ENV, raising=False)
     assert v5.table_name(h200) == h200 and v5.table_name(None) is None
     monkeypatch.setenv(v5.TABLE_ENV, "H100")
-    assert v5.default_config_v5(256, v5.table_name(h200)) == v5.default_config_v5(256, h100)
-    assert v5.default_config_v5(256, v5.table_name(h200)) != v5.default_config_v5(256, h200)
+    assert v5.default_config_v5(128, v5.table_name(h200)) == v5.default_config_v5(128, h100)
+    assert v5.default_config_v5(128, v5.table_name(h200)) != v5.default_config_v5(128, h200)
     monkeypatch.setenv(v5.TABLE_ENV, "H200")
-    assert v5.default_config_v5(256, v5.table_name(h100)) == v5.default_config_v5(256, h200)
-    # the tables differ below W = 512 only (session 44)
-    assert v5.default_config_v5(256, h100) != v5.default_config_v5(256, h200)
-    assert v5.default_config_v5(1024, h100) == v5.default_config_v5(1024, h200)
+    assert v5.default_config_v5(128, v5.table_name(h100)) == v5.default_config_v5(128, h200)
+    # the tables differ below W = 256 only (session 47)
+    assert v5.default_config_v5(128, h100) != v5.default_config_v5(128, h200)
+    for world in (256, 511, 1024):
+        assert v5.default_config_v5(world, h100) == v5.default_config_v5(world, h200)
     monkeypatch.setenv(v5.TABLE_ENV, "A100")
     with pytest.raises(ValueError, match="FREESCALE_V5_TABLE must be one of"):
         v5.table_name(h100)

@@ -1133,11 +1133,17 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     """The best of the configurations timed at 2^26 ids on the card `device_name`
     (``torch.cuda.get_device_name()``; `ranged_dispatch_v5` passes its tensors' card).
 
-    H200 and any other name (the table `kernels.json` measured, at d4ce341, session 44;
-    `benchmarks/results/dispatch_v5_sweep_*.json`, sessions 27-30): below W = 32 the
-    staged scatter with 2048-id tiles and 4 warps; up to W = 256 the ranks scatter with
-    2048-id tiles and 8 warps (4 counting); to W = 511 the ranks scatter with 4096-id
-    tiles and 16 warps (8 counting), 2 ids per thread and pass; from W = 512 the H100's
+    H200 and any other name (sessions 27-30, `benchmarks/results/dispatch_v5_sweep_*.json`;
+    44; 47): below W = 32 the staged scatter with 2048-id tiles and 4 warps, tiles last
+    first (``reverse``); to W = 255 the ranks scatter with 2048-id tiles and 8 warps (4
+    counting), int16 snapshots, tiles last first; to W = 511 the ranks scatter with
+    4096-id tiles and 16 warps (8 counting), 2 ids per thread and pass, int16 snapshots.
+    Session 47 (`dispatch_v5_rev_h200_88bebc9.json`, one H200, two runs each unless said):
+    the 2048-id ranks config reversed with int16 snapshots took 0.729 / 0.730 ms at W = 32
+    against 0.768 / 0.769 for the table before, 0.850 / 0.852 against 0.860 / 0.861 at
+    W = 128, 0.774 / 0.776 against 0.771 / 0.774 at W = 64 (a tie); the staged scatter
+    reversed 0.695 against 0.738 at W = 16 (one run); the 4096-id config with int16
+    snapshots 0.966 / 0.966 against 1.014 / 1.016 at W = 256. From W = 512 the H100's
     choices below (int32 staging, 8192-id tiles, 16384 from W = 1025 to 2048, placement
     prefetch, int16 snapshots): tuned on H100s (sessions 35-36) and adopted on the H200
     in session 44, where they took 1.251 against 1.584 ms at W = 1024, 1.673 against
@@ -1178,11 +1184,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
             return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
                             snaps="int16")  # fmt: skip
         return dataclasses.replace(big, snaps="int16")
-    if world_size < 32:
-        return V5Config(tile=2048, count_warps=4, scatter_warps=4)
-    if world_size <= 256:
-        return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks")
-    return big
+    if world_size < 32:  # session 47: tiles last first (dispatch_v5_rev_h200_88bebc9.json)
+        return V5Config(tile=2048, count_warps=4, scatter_warps=4, reverse=True)
+    if world_size < 256:
+        return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
+                        snaps="int16", reverse=True)  # fmt: skip
+    return dataclasses.replace(big, snaps="int16")  # session 47: from W = 256
 
 
 @functools.cache
@@ -1201,7 +1208,8 @@ TABLE_CARDS = {
 
 def table_name(card: Optional[str]) -> Optional[str]:
     """The card name `default_config_v5` picks its table by: `card` (the tensors' card),
-    unless ``FREESCALE_V5_TABLE`` is "H100" or "H200" (the tables differ below W = 512).
+    unless ``FREESCALE_V5_TABLE`` is "H100" or "H200" (the tables differ below W = 256,
+    since session 47).
     That override is a benchmark knob: one GPU call can time the other card's table next
     to the A/B that decides whether to adopt it (`benchmarks/kernels.py` records it).
     Same bits either way."""
