@@ -67,11 +67,11 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     done = _plan(tmp_path, card)
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
-    if "H200" in card:  # session 47's table next to the configs it replaced, then the figure
+    if "H200" in card:  # the figure, then session 47's table next to two other configs
         assert len(steps) == 2, steps
-        assert f"--out {tmp_path}/ab3 " in steps[0] and "--worlds 8 64 256 " in steps[0]
-        assert "ranks_t2048_c4_s8_u4 " in steps[0] and "FREESCALE_V5_TABLE" not in steps[0]
-        assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[1], steps
+        assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[0], steps
+        assert f"--out {tmp_path}/ab3 " in steps[1] and "--worlds 8 256 " in steps[1]
+        assert "v5_t2048_w4_u4 " in steps[1] and "FREESCALE_V5_TABLE" not in steps[1]
     else:  # the H100 table's configs reversed, twice
         assert len(steps) == 2, steps
         for step, run in zip(steps, ("ab1", "ab2")):
