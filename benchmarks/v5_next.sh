@@ -8,8 +8,10 @@
 #         with int16 snapshots 0.951x at W = 256): `benchmarks/kernels.py` (the kernels
 #         figure, k/kernels.json, ~200 s), then the table timed next to the staged scatter
 #         unreversed at W = 8 (untimed there) and the W = 256 config reversed (ab3/).
-#   H100: the H100 table's configs reversed at W = 1024, 256, 64 and 32, twice (ab1/,
-#         ab2/; the H100 figure itself is current, `kernels_h100_d37773f.json`).
+#   H100: `benchmarks/kernels.py` (the H100 figure, k/kernels.json): session 47 gave the
+#         H100 table the H200's reversed 2048-id config at W = 32..64 (0.971x / 0.979x the
+#         4096-id config there, twice, `dispatch_v5_rev_h100_bf4a007.json`; reversing the
+#         H100's own configs gained nothing: 1.000-1.010x at W = 32..256, 1.001x at 1024).
 #   Earlier calls: session 46 timed three opt-in options of the ranks scatter on an H100
 #   (`dispatch_v5_s46_h100_08354e1.json`: `match_ahead`, the ordered loop pipelined by one
 #   chunk, 1.000x the base at W = 1024 (twice), 0.985x at 2048, 1.025x at 64;
@@ -80,11 +82,8 @@ case $CARD in
     ab 90 ab3 "8 256" "v5_t2048_w4_u4 ranks_t4096_c8_s16_u2_sn16_rev"
     ;;
   *)
-    # the H100 table's configs with the tiles last first (session 47's `reverse`), twice;
-    # the H100 figure itself is current (`kernels_h100_d37773f.json`)
-    REV="ranks_t4096_c8_s16_u2_sn16_rev ranks_t8192_c8_s16_u2_v32_pf_sn16_rev"
-    ab 150 ab1 "1024 256 64 32" "$REV"
-    ab 150 ab2 "1024 256 64 32" "$REV"
+    # the H100 figure after session 47's table change at W = 32..64
+    step 300 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
     ;;
 esac
 exit $fail

@@ -144,12 +144,15 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 2048-id tiles below
         for world in range(1, v5.V5_MAX_WORLD + 1):  # W = 32 (session 42), 4096-id tiles
             cfg = v5.default_config_v5(world, name)  # to 511, int32 staging from 512
-            small = world < 32
+            small = world <= 64  # session 47: the H200's reversed config at W = 32..64
             tile = (
                 2048 if small else 4096 if world < 512 else 16384 if 1024 < world <= 2048 else 8192
             )
             assert (cfg.tile, cfg.staging) == (tile, "int32" if tile > 4096 else "int64")
             assert cfg.scatter == "ranks", (name, world)
+            assert cfg.reverse == (32 <= world <= 64), (name, world)
+            if 32 <= world <= 64:
+                assert cfg == v5.default_config_v5(world, "NVIDIA H200"), world
             assert (cfg.scatter_warps, cfg.count_warps, cfg.unroll) == (
                 (8, 4, 4) if small else (16, 8, 2)
             ), (name, world)

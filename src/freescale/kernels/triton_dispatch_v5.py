@@ -1155,8 +1155,12 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     (4 counting), 4 ids per thread and int16 snapshots (session 42, at 75402d3,
     `dispatch_v5_smallw_h100_75402d3.json`: 0.832 / 0.850 ms at W = 8 / 16 against 0.884 /
     0.895 for the 4096-id config; tied at W = 32 and 64, 0.941 / 0.950 against 0.947 /
-    0.952; behind from W = 128, 1.293 against 1.034); the 4096-id config from W = 32 to
-    511; from W = 512 the same warps with int32 staging and larger tiles: 8192 ids, but
+    0.952; behind from W = 128, 1.293 against 1.034); at W = 32 to 64 the H200's config
+    since session 47 (2048-id ranks, int16 snapshots, tiles last first; at bf4a007,
+    `dispatch_v5_rev_h100_bf4a007.json`, two runs: 0.916 / 0.918 ms against 0.944 / 0.945
+    for the 4096-id config at W = 32, 0.925 / 0.926 against 0.945 / 0.946 at W = 64; the
+    4096-id config reversed took 1.000-1.010x its unreversed time at W = 32 to 256, the
+    8192-id one 1.001x at W = 1024); the 4096-id config from W = 65 to 511; from W = 512 the same warps with int32 staging and larger tiles: 8192 ids, but
     16384 from W = 1025 to 2048 (session 35; the H200's too since session 44), and
     placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
     `dispatch_v5_pfsn_h100_ad89623.json`: W = 1024 1.484 against 1.541 ms, W = 2048 1.910
@@ -1183,6 +1187,9 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
         if world_size < 32:  # session 42 (dispatch_v5_smallw_h100_75402d3.json)
             return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
                             snaps="int16")  # fmt: skip
+        if world_size <= 64:  # session 47: the H200's (dispatch_v5_rev_h100_bf4a007.json)
+            return V5Config(tile=2048, count_warps=4, scatter_warps=8, scatter="ranks",
+                            snaps="int16", reverse=True)  # fmt: skip
         return dataclasses.replace(big, snaps="int16")
     if world_size < 32:  # session 47: tiles last first (dispatch_v5_rev_h200_88bebc9.json)
         return V5Config(tile=2048, count_warps=4, scatter_warps=4, reverse=True)
