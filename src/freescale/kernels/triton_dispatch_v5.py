@@ -1160,7 +1160,8 @@ def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5C
     `dispatch_v5_rev_h100_bf4a007.json`, two runs: 0.916 / 0.918 ms against 0.944 / 0.945
     for the 4096-id config at W = 32, 0.925 / 0.926 against 0.945 / 0.946 at W = 64; the
     4096-id config reversed took 1.000-1.010x its unreversed time at W = 32 to 256, the
-    8192-id one 1.001x at W = 1024); the 4096-id config from W = 65 to 511; from W = 512 the same warps with int32 staging and larger tiles: 8192 ids, but
+    8192-id one 1.001x at W = 1024); the 4096-id config from W = 65 to 511; from W = 512
+    the same warps with int32 staging and larger tiles: 8192 ids, but
     16384 from W = 1025 to 2048 (session 35; the H200's too since session 44), and
     placement prefetch; int16 snapshots at every W (session 36, measured at ad89623,
     `dispatch_v5_pfsn_h100_ad89623.json`: W = 1024 1.484 against 1.541 ms, W = 2048 1.910
