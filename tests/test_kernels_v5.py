@@ -141,8 +141,8 @@ def test_default_configs_are_valid_at_every_world_size() -> None:
     for world, tile in big.items():
         cfg = v5.default_config_v5(world)
         assert (cfg.tile, cfg.staging, cfg.prefetch, cfg.snaps) == (tile, "int32", True, "int16")
-    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 2048-id tiles below
-        for world in range(1, v5.V5_MAX_WORLD + 1):  # W = 32 (session 42), 4096-id tiles
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"):  # H100: 2048-id tiles to
+        for world in range(1, v5.V5_MAX_WORLD + 1):  # W = 64 (sessions 42, 47), 4096-id
             cfg = v5.default_config_v5(world, name)  # to 511, int32 staging from 512
             small = world <= 64  # session 47: the H200's reversed config at W = 32..64
             tile = (
