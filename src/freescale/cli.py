@@ -467,9 +467,7 @@ def run_rank(
 
         if checkpoint_dir:  # after the balancer (state order)
             hooks.append(CheckpointHook(checkpoint_dir, checkpoint_every))
-        injector = faults.FaultInjector.from_env()  # test-only, FREESCALE_FAULT_*
-        if injector is not None:
-            hooks.append(injector)
+        hooks.extend(faults.FaultInjector.all_from_env())  # test-only, FREESCALE_FAULT_*
         trainer = Trainer(cfg, ctx=ctx, hooks=hooks)
         monitor = faults.install(trainer, timeout)  # collective timeouts, lost ranks
         try:

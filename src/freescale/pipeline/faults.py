@@ -33,6 +33,17 @@ How it works, per rank:
   after the deadline (NCCL: the CPU waits in a CUDA sync and cannot raise), the
   watchdog prints the diagnosis to stderr and ends the process with exit code
   :data:`EXIT_COLLECTIVE_TIMEOUT`.
+* **Terminated by the launcher.** torch's elastic agent SIGTERMs the surviving ranks
+  as soon as it sees one rank die (its monitor tick, 0.5 s in ``freescale train``),
+  often before a survivor reaches a collective with the dead rank, and then the
+  survivor printed nothing. :func:`install` (where SIGTERM still has its default action
+  and no wakeup fd is set) gives SIGTERM a do-nothing Python handler plus a wakeup fd
+  read by a reporter thread, so the report does not wait for the training thread (on
+  NCCL it may sit in a CUDA sync): the thread prints the diagnosis (``RankLost:
+  terminated by SIGTERM at step 3 (backward): rank 1 was lost (...)`` when a peer is
+  dead) and ends the process with exit code :data:`EXIT_TERMINATED` (128 + SIGTERM).
+  A SIGTERM handler installed later (e.g. checkpoint on preemption) takes over: the
+  thread then does nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from .trainer import Trainer, TrainerHook
 
 __all__ = [
     "EXIT_COLLECTIVE_TIMEOUT",
+    "EXIT_TERMINATED",
     "CollectiveTimeout",
     "RankLost",
     "FaultMonitor",
@@ -68,6 +80,8 @@ __all__ = [
 
 #: exit code of a process ended by the watchdog backstop
 EXIT_COLLECTIVE_TIMEOUT = 75
+#: exit code of a process ended by SIGTERM after its report (the shell's 128 + 15)
+EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 _KEY = "hb/"
 _HOST = socket.gethostname()
 _LOST_MARKERS = (
@@ -116,6 +130,7 @@ class FaultMonitor(TrainerHook):
         min_gap: float = 0.02,
         hard_exit: bool = True,
         deadline_s: float | None = None,
+        report_sigterm: bool = False,
     ) -> None:
         self.timeout_s = float(timeout_s)
         self.deadline_s = float(deadline_s) if deadline_s is not None else self.timeout_s
@@ -127,6 +142,7 @@ class FaultMonitor(TrainerHook):
         self.publishes = 0  # heartbeat records written (tests; the rate limit)
         self.grace = grace if grace is not None else min(10.0, max(2.0, 0.5 * timeout_s))
         self.hard_exit = hard_exit
+        self.report_sigterm = report_sigterm
         self.progress = _Progress()
         self.diagnosis: str | None = None  # set by the watchdog when it fired
         self._raised = False
@@ -142,6 +158,7 @@ class FaultMonitor(TrainerHook):
         self._last_issued_at = 0.0
         self._threads: list[threading.Thread] = []
         self._t0 = time.time()
+        self._sigterm_pipe: tuple[int, int] | None = None  # (read, write): the wakeup fd
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> FaultMonitor:
@@ -158,6 +175,8 @@ class FaultMonitor(TrainerHook):
         comm_base.on_error = self._on_error
         if self.backend == "gloo":
             comm_base.wait_timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.report_sigterm:
+            self._install_sigterm()
         return self
 
     def close(self) -> None:
@@ -168,6 +187,7 @@ class FaultMonitor(TrainerHook):
             comm_base.wait_timeout = None
         self._stop.set()
         self._changed.set()
+        self._restore_sigterm()
         for t in self._threads:
             t.join(timeout=2.0)
         self._threads = []
@@ -244,8 +264,25 @@ class FaultMonitor(TrainerHook):
             if self.min_gap > 0:
                 self._stop.wait(self.min_gap)
 
-    def read_peers(self) -> dict[int, dict[str, Any] | None]:
-        """Every other rank's last heartbeat (None: never published / unreadable)."""
+    def _stale_after(self) -> float:
+        return max(4 * self.interval, 1.0)
+
+    def _dead(self, peers: dict[int, dict[str, Any] | None], now: float) -> dict[int, str]:
+        """Which of ``peers`` are dead, and why: the process is gone (same host) or the
+        heartbeat stopped (older than :meth:`_stale_after`)."""
+        dead: dict[int, str] = {}
+        for r, rec in peers.items():
+            if rec is None:
+                continue
+            if rec.get("host") == _HOST and not _pid_alive(int(rec["pid"])):
+                dead[r] = f"process {rec['pid']} has exited"
+            elif now - rec["t"] > self._stale_after():
+                dead[r] = f"heartbeat stopped {now - rec['t']:.1f} s ago"
+        return dead
+
+    def read_peers(self, lock_timeout: float = -1) -> dict[int, dict[str, Any] | None]:
+        """Every other rank's last heartbeat (None: never published / unreadable, or the
+        store client stayed busy for ``lock_timeout`` seconds; -1: wait)."""
         out: dict[int, dict[str, Any] | None] = {}
         if self._store is None:
             return out
@@ -253,12 +290,16 @@ class FaultMonitor(TrainerHook):
             if r == self.rank:
                 continue
             key = f"{_KEY}{r}"
+            out[r] = None
+            if not self._lock.acquire(timeout=lock_timeout):
+                continue
             try:
-                with self._lock:
-                    ok = self._store.check([key])
-                    out[r] = json.loads(self._store.get(key)) if ok else None
+                ok = self._store.check([key])
+                out[r] = json.loads(self._store.get(key)) if ok else None
             except Exception:  # noqa: BLE001
-                out[r] = None
+                pass
+            finally:
+                self._lock.release()
         return out
 
     # --------------------------------------------------------- diagnosis
@@ -273,16 +314,9 @@ class FaultMonitor(TrainerHook):
         seq, step, stage = tag[:3] if tag else (p.seq, p.step, p.stage)
         mine = (step, _STAGES.get(stage, 0), seq)
         peers = self.read_peers()
-        stale_after = max(4 * self.interval, 1.0)
+        stale_after = self._stale_after()
         now = time.time()
-        dead: dict[int, str] = {}
-        for r, rec in peers.items():
-            if rec is None:
-                continue
-            if rec.get("host") == _HOST and not _pid_alive(int(rec["pid"])):
-                dead[r] = f"process {rec['pid']} has exited"
-            elif now - rec["t"] > stale_after:
-                dead[r] = f"heartbeat stopped {now - rec['t']:.1f} s ago"
+        dead = self._dead(peers, now)
         behind = [r for r, rec in peers.items() if rec is None or _position(rec) < mine]
         if lost and not dead:
             # a killed process resets its connections while it exits, before it is a
@@ -396,6 +430,93 @@ class FaultMonitor(TrainerHook):
             )
             os._exit(EXIT_COLLECTIVE_TIMEOUT)
 
+    # ----------------------------------------------------------- SIGTERM
+    def _install_sigterm(self) -> None:
+        """The report on SIGTERM (module docstring, "Terminated by the launcher"): only
+        from the main thread, only where SIGTERM has its default action and no other
+        wakeup fd is set (asyncio's, say); otherwise nothing changes."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # the C-level handler must never block
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if old != -1:
+            signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+            return
+        signal.signal(signal.SIGTERM, _sigterm_noop)
+        self._sigterm_pipe = (r, w)
+        t = threading.Thread(
+            target=self._sigterm_reporter, args=(r,), name="freescale-sigterm", daemon=True
+        )
+        t.start()
+        self._threads.append(t)
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_pipe is None:
+            return
+        r, w = self._sigterm_pipe
+        self._sigterm_pipe = None
+        try:
+            os.write(w, b"\0")  # wakes the reporter, which sees _stop set and returns
+        except OSError:  # the pipe is full of signal numbers: the reporter is awake
+            pass
+        if threading.current_thread() is not threading.main_thread():
+            return  # cannot unset the wakeup fd from here: leave the handler and w open
+        if signal.getsignal(signal.SIGTERM) is _sigterm_noop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        current = signal.set_wakeup_fd(-1)
+        if current != w:  # somebody else's since: put it back, keep w open
+            signal.set_wakeup_fd(current)
+            return
+        os.close(w)
+
+    def _sigterm_reporter(self, fd: int) -> None:
+        try:
+            while True:
+                data = os.read(fd, 64)
+                if not data or self._stop.is_set():
+                    return
+                ours = signal.getsignal(signal.SIGTERM) is _sigterm_noop
+                if int(signal.SIGTERM) in data and ours:
+                    if not self._raised:  # a collective error already said it all
+                        _say(f"[freescale rank {self.rank}] {self.sigterm_report()}")
+                    try:
+                        sys.stdout.flush()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    os._exit(EXIT_TERMINATED)
+        finally:
+            os.close(fd)
+
+    def sigterm_report(self) -> str:
+        """What this rank says when it is terminated: where it was, and which peers are
+        dead (torch's launcher terminates the survivors after one rank died), read
+        without waiting more than a second for the store client."""
+        p = self.progress
+        last = f", last collective {p.what}" if p.what else ""
+        head = f"terminated by SIGTERM at step {p.step} ({p.stage}{last})"
+        if self._store is None or self.world_size < 2:
+            return head
+        peers = self.read_peers(lock_timeout=1.0)
+        now = time.time()
+        dead = self._dead(peers, now)
+        if not dead:
+            return f"{head}: no peer found dead (heartbeats of {len(peers)} read)"
+        parts = []
+        for r in sorted(dead):
+            rec = peers[r]
+            assert rec is not None
+            where = f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
+            parts.append(
+                f"rank {r} was lost (last seen: {where}, {now - rec['t']:.1f} s ago; "
+                f"dead: {dead[r]})"
+            )
+        return f"{RankLost.__name__}: {head}: " + "; ".join(parts)
+
     def explain(self, exc: BaseException) -> CollectiveError | None:
         """A clearer error for a backend failure raised outside ``Communicator`` (DDP's
         gradient all-reduce, a barrier); None when ``exc`` is not one (or is already a
@@ -439,6 +560,11 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _sigterm_noop(signum: int, frame: Any) -> None:
+    """SIGTERM's Python handler while a monitor reports it: the report and the exit come
+    from the monitor's reporter thread (woken through the wakeup fd), not from here."""
+
+
 def _short(aw: Awaitable[Any]) -> str:
     d = aw._describe or ""
     return d.split(" on rank ")[0] if " on rank " in d else (aw._name or "collective")
@@ -475,13 +601,15 @@ def _set_timeout(group: Any, seconds: float) -> None:
 
 def install(trainer: Trainer, timeout_s: float, **kwargs: Any) -> FaultMonitor:
     """Apply ``timeout_s`` to the trainer's process groups, start the heartbeat and the
-    watchdog and add the monitor to ``trainer.hooks``. Call :meth:`FaultMonitor.close`
-    when done."""
+    watchdog and add the monitor to ``trainer.hooks``; called from the main thread, it
+    also reports a SIGTERM (``report_sigterm``, module docstring). Call
+    :meth:`FaultMonitor.close` when done."""
     if trainer.ctx.backend == "nccl":
         # NCCL's watchdog aborts the process at timeout_s with its own message; report
         # (and exit) a little earlier, while the group can still be diagnosed
         kwargs.setdefault("deadline_s", 0.8 * timeout_s)
         kwargs.setdefault("grace", 0.1 * timeout_s)
+    kwargs.setdefault("report_sigterm", True)
     mon = FaultMonitor(
         timeout_s,
         trainer.rank,
@@ -567,6 +695,9 @@ class FaultInjector(TrainerHook):
     ``FREESCALE_FAULT_HANG_RANK_AT_STEP=R:K[:S]``  rank R sleeps S seconds (default
     3600) at the same point, so the others time out waiting for it.
 
+    Both may be set (:meth:`all_from_env`): e.g. rank 1 killed while rank 0 sleeps, so
+    that the launcher terminates rank 0 before it reaches a collective.
+
     Fires only in the first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT``
     unset or 0), so a restarted job runs clean."""
 
@@ -575,9 +706,17 @@ class FaultInjector(TrainerHook):
 
     @staticmethod
     def from_env(env: dict[str, str] | None = None) -> FaultInjector | None:
+        """The first of :meth:`all_from_env` (kill before hang), or None."""
+        found = FaultInjector.all_from_env(env)
+        return found[0] if found else None
+
+    @staticmethod
+    def all_from_env(env: dict[str, str] | None = None) -> list[FaultInjector]:
+        """Every injector the environment asks for (none after an elastic restart)."""
         env = dict(os.environ) if env is None else env
         if env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
-            return None
+            return []
+        found = []
         for action in ("kill", "hang"):
             spec = env.get(f"FREESCALE_FAULT_{action.upper()}_RANK_AT_STEP")
             if spec:
@@ -588,8 +727,8 @@ class FaultInjector(TrainerHook):
                         "expected RANK:STEP" + ("[:SECONDS]" if action == "hang" else "")
                     )
                 secs = float(parts[2]) if len(parts) == 3 else 3600.0
-                return FaultInjector(action, int(parts[0]), int(parts[1]), secs)
-        return None
+                found.append(FaultInjector(action, int(parts[0]), int(parts[1]), secs))
+        return found
 
     def after_forward(self, trainer: Trainer, step: int, loss: Any) -> None:
         if trainer.rank != self.rank or step != self.step:
