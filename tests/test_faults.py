@@ -133,7 +133,7 @@ def test_lost_connection_names_dead_rank(tmp_path):
 
 
 _SIGTERM_CHILD = r"""
-import signal, sys, time
+import os, signal, sys, time
 import torch.distributed as dist
 from freescale.pipeline.faults import FaultMonitor
 
@@ -149,21 +149,42 @@ elif mode == "user":  # a handler of the user's, installed later, takes over
         print("user handler", flush=True)
         sys.exit(7)
     signal.signal(signal.SIGTERM, on_term)
+elif mode == "fork":  # a forked child (DataLoader worker) dies of SIGTERM as usual
+    pid = os.fork()
+    if pid == 0:  # (not 600 s: were SIGTERM ignored, it would hold the test's pipe)
+        time.sleep(30)
+        os._exit(0)
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        done, status = os.waitpid(pid, 0)
+        print("forked child ignored SIGTERM", flush=True)
+    print(f"forked child ended by signal {os.WTERMSIG(status)}", flush=True)
+    mon.close()
 elif mode == "closed":  # close() puts the default action back
     mon.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.set_wakeup_fd(-1) == -1
 print("ready", flush=True)
-time.sleep(600)
+try:
+    time.sleep(600)
+finally:  # as freescale train does (a heartbeat thread inside the store at exit aborts)
+    mon.close()
 """
 
 
-@pytest.mark.parametrize("mode", ["plain", "masked", "user", "closed"])
+@pytest.mark.parametrize("mode", ["plain", "masked", "user", "fork", "closed"])
 def test_sigterm_reports_dead_peers_then_exits(mode):
     """torch's launcher SIGTERMs the survivors as soon as it sees one rank die, often
     before they reach a collective with it: the monitor's reporter thread prints which
     peer is dead and ends the process (exit 143), also while the main thread cannot run
-    Python code ("masked"); a later handler of the user's wins; close() restores SIGTERM."""
+    Python code ("masked"); a later handler of the user's wins; a forked child dies of
+    SIGTERM; close() restores SIGTERM."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -175,10 +196,16 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
         text=True,
     )
     assert p.stdout is not None
+    stop = threading.Timer(90, p.kill)  # a regression fails the test, never hangs it
+    stop.start()
     first = p.stdout.readline()
+    if mode == "fork":  # the child's check comes first
+        assert first.strip() == "forked child ended by signal 15", first + p.stdout.read()
+        first = p.stdout.readline()
     assert first.strip() == "ready", first + p.stdout.read()
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=60)  # the child sleeps 600 s: only SIGTERM ends it
+    stop.cancel()
     if mode in ("plain", "masked"):
         assert p.returncode == faults.EXIT_TERMINATED, (p.returncode, out)
         head = "[freescale rank 0] RankLost: terminated by SIGTERM at step 3 (backward): "
@@ -187,7 +214,7 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
         assert f"dead: process {dead.pid} has exited" in out, out
     elif mode == "user":
         assert p.returncode == 7 and out.strip() == "user handler", (p.returncode, out)
-    else:
+    else:  # "closed", "fork": the default action
         assert p.returncode == -signal.SIGTERM and out == "", (p.returncode, out)
 
 

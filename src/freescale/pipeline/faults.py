@@ -43,7 +43,8 @@ How it works, per rank:
   terminated by SIGTERM at step 3 (backward): rank 1 was lost (...)`` when a peer is
   dead) and ends the process with exit code :data:`EXIT_TERMINATED` (128 + SIGTERM).
   A SIGTERM handler installed later (e.g. checkpoint on preemption) takes over: the
-  thread then does nothing.
+  thread then does nothing. Forked children get the default action back
+  (:func:`_sigterm_after_fork_in_child`).
 """
 
 from __future__ import annotations
@@ -563,6 +564,47 @@ def _pid_alive(pid: int) -> bool:
 def _sigterm_noop(signum: int, frame: Any) -> None:
     """SIGTERM's Python handler while a monitor reports it: the report and the exit come
     from the monitor's reporter thread (woken through the wakeup fd), not from here."""
+
+
+_fork_blocked = False  # SIGTERM blocked in the forking thread around an os.fork()
+
+
+def _sigterm_before_fork() -> None:
+    """Block SIGTERM in the forking thread while a monitor reports it: a SIGTERM that
+    reaches the child before :func:`_sigterm_after_fork_in_child` ran would go to the
+    do-nothing handler and write to the *parent's* wakeup pipe (the child inherits the
+    fd), and the parent's reporter would end the parent. Blocked, it waits in the child
+    until the default action is back."""
+    global _fork_blocked
+    if signal.getsignal(signal.SIGTERM) is _sigterm_noop:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        _fork_blocked = True
+
+
+def _sigterm_after_fork_in_parent() -> None:
+    global _fork_blocked
+    if _fork_blocked:
+        _fork_blocked = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _sigterm_after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the do-nothing handler but not the
+    reporter thread: give it SIGTERM's default action and no wakeup fd, then unblock."""
+    global _fork_blocked
+    if signal.getsignal(signal.SIGTERM) is _sigterm_noop:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+    if _fork_blocked:
+        _fork_blocked = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+os.register_at_fork(
+    before=_sigterm_before_fork,
+    after_in_parent=_sigterm_after_fork_in_parent,
+    after_in_child=_sigterm_after_fork_in_child,
+)
 
 
 def _short(aw: Awaitable[Any]) -> str:
