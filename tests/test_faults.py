@@ -178,17 +178,18 @@ finally:  # as freescale train does (a heartbeat thread inside the store at exit
 """
 
 
-@pytest.mark.parametrize("mode", ["plain", "masked", "user", "fork", "closed"])
+@pytest.mark.parametrize("mode", ["plain", "masked", "alive", "user", "fork", "closed"])
 def test_sigterm_reports_dead_peers_then_exits(mode):
     """torch's launcher SIGTERMs the survivors as soon as it sees one rank die, often
     before they reach a collective with it: the monitor's reporter thread prints which
     peer is dead and ends the process (exit 143), also while the main thread cannot run
-    Python code ("masked"); a later handler of the user's wins; a forked child dies of
-    SIGTERM; close() restores SIGTERM."""
+    Python code ("masked"); with every peer alive it says so; a later handler of the
+    user's wins; a forked child dies of SIGTERM; close() restores SIGTERM."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    _heartbeat(store, 1, seq=2, host=faults._HOST, pid=dead.pid)
+    pid = os.getpid() if mode == "alive" else dead.pid
+    _heartbeat(store, 1, seq=2, host=faults._HOST, pid=pid)
     p = subprocess.Popen(
         [sys.executable, "-c", _SIGTERM_CHILD, str(store.port), mode],
         stdout=subprocess.PIPE,
@@ -212,6 +213,10 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
         assert out.startswith(head), out
         assert "rank 1 was lost (last seen: all_to_all 'ids' of step 3" in out, out
         assert f"dead: process {dead.pid} has exited" in out, out
+    elif mode == "alive":
+        assert p.returncode == faults.EXIT_TERMINATED, (p.returncode, out)
+        line = "terminated by SIGTERM at step 3 (backward): no peer found dead (1 of 1 "
+        assert out == f"[freescale rank 0] {line}heartbeats read)\n", out
     elif mode == "user":
         assert p.returncode == 7 and out.strip() == "user handler", (p.returncode, out)
     else:  # "closed", "fork": the default action

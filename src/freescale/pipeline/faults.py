@@ -345,7 +345,7 @@ class FaultMonitor(TrainerHook):
             if rec is None:
                 parts.append(f"rank {r} did not arrive (no heartbeat published)")
                 continue
-            where = f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
+            where = _where(rec)
             state = f"dead: {dead[r]}" if r in dead else "alive"
             verb = "was lost" if (lost and r in dead and r not in behind) else "did not arrive"
             parts.append(
@@ -506,14 +506,14 @@ class FaultMonitor(TrainerHook):
         now = time.time()
         dead = self._dead(peers, now)
         if not dead:
-            return f"{head}: no peer found dead (heartbeats of {len(peers)} read)"
+            n = sum(rec is not None for rec in peers.values())
+            return f"{head}: no peer found dead ({n} of {len(peers)} heartbeats read)"
         parts = []
         for r in sorted(dead):
             rec = peers[r]
-            assert rec is not None
-            where = f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
+            assert rec is not None  # _dead only names ranks with a record
             parts.append(
-                f"rank {r} was lost (last seen: {where}, {now - rec['t']:.1f} s ago; "
+                f"rank {r} was lost (last seen: {_where(rec)}, {now - rec['t']:.1f} s ago; "
                 f"dead: {dead[r]})"
             )
         return f"{RankLost.__name__}: {head}: " + "; ".join(parts)
@@ -544,6 +544,11 @@ _STAGES = {"start": 0, "data+forward": 1, "backward": 2, "optimizer": 3, "metric
 def _position(rec: dict[str, Any]) -> tuple[int, int, int]:
     """How far a rank got: (step, stage, collectives issued), compared lexicographically."""
     return (int(rec["step"]), _STAGES.get(rec["stage"], 0), int(rec["seq"]))
+
+
+def _where(rec: dict[str, Any]) -> str:
+    """Where a heartbeat record says its rank was: ``all_to_all 'ids' of step 3 (data)``."""
+    return f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
 
 
 def _pid_alive(pid: int) -> bool:
