@@ -190,6 +190,14 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
     dead.wait()
     pid = os.getpid() if mode == "alive" else dead.pid
     _heartbeat(store, 1, seq=2, host=faults._HOST, pid=pid)
+    beating = threading.Event()
+    if mode == "alive":  # a live peer's heartbeat keeps coming (stale after 1 s: dead)
+
+        def beat() -> None:
+            while not beating.wait(0.1):
+                _heartbeat(store, 1, seq=2, host=faults._HOST, pid=pid)
+
+        threading.Thread(target=beat, daemon=True).start()
     p = subprocess.Popen(
         [sys.executable, "-c", _SIGTERM_CHILD, str(store.port), mode],
         stdout=subprocess.PIPE,
@@ -207,6 +215,7 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=60)  # the child sleeps 600 s: only SIGTERM ends it
     stop.cancel()
+    beating.set()
     if mode in ("plain", "masked"):
         assert p.returncode == faults.EXIT_TERMINATED, (p.returncode, out)
         head = "[freescale rank 0] RankLost: terminated by SIGTERM at step 3 (backward): "
