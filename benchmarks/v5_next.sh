@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
+# Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min;
+# queued since session 47: session 48 got no device):
 #
 #   H200: session 47's table (`default_config_v5`; measured at 88bebc9,
 #         `dispatch_v5_rev_h200_88bebc9.json`, two runs: the 2048-id ranks config with
