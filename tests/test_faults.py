@@ -133,7 +133,7 @@ def test_lost_connection_names_dead_rank(tmp_path):
 
 
 _SIGTERM_CHILD = r"""
-import os, signal, sys, time
+import os, signal, sys, threading, time
 import torch.distributed as dist
 from freescale.pipeline.faults import FaultMonitor
 
@@ -166,6 +166,10 @@ elif mode == "fork":  # a forked child (DataLoader worker) dies of SIGTERM as us
         print("forked child ignored SIGTERM", flush=True)
     print(f"forked child ended by signal {os.WTERMSIG(status)}", flush=True)
     mon.close()
+elif mode == "closed_in_thread":  # only the main thread can restore: the report stays
+    closer = threading.Thread(target=mon.close)
+    closer.start()
+    closer.join()
 elif mode == "closed":  # close() puts the default action back
     mon.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -178,13 +182,16 @@ finally:  # as freescale train does (a heartbeat thread inside the store at exit
 """
 
 
-@pytest.mark.parametrize("mode", ["plain", "masked", "alive", "user", "fork", "closed"])
+@pytest.mark.parametrize(
+    "mode", ["plain", "masked", "alive", "user", "fork", "closed", "closed_in_thread"]
+)
 def test_sigterm_reports_dead_peers_then_exits(mode):
     """torch's launcher SIGTERMs the survivors as soon as it sees one rank die, often
     before they reach a collective with it: the monitor's reporter thread prints which
     peer is dead and ends the process (exit 143), also while the main thread cannot run
     Python code ("masked"); with every peer alive it says so; a later handler of the
-    user's wins; a forked child dies of SIGTERM; close() restores SIGTERM."""
+    user's wins; a forked child dies of SIGTERM; close() restores SIGTERM (from the main
+    thread; from another, the report stays)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -216,7 +223,7 @@ def test_sigterm_reports_dead_peers_then_exits(mode):
     out, _ = p.communicate(timeout=60)  # the child sleeps 600 s: only SIGTERM ends it
     stop.cancel()
     beating.set()
-    if mode in ("plain", "masked"):
+    if mode in ("plain", "masked", "closed_in_thread"):
         assert p.returncode == faults.EXIT_TERMINATED, (p.returncode, out)
         head = "[freescale rank 0] RankLost: terminated by SIGTERM at step 3 (backward): "
         assert out.startswith(head), out

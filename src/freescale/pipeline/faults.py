@@ -457,32 +457,29 @@ class FaultMonitor(TrainerHook):
         self._threads.append(t)
 
     def _restore_sigterm(self) -> None:
+        """Undo :meth:`_install_sigterm`. Only the main thread can: from another thread
+        the handler and the reporter stay (SIGTERM still reports and ends the process)."""
         if self._sigterm_pipe is None:
             return
-        r, w = self._sigterm_pipe
-        self._sigterm_pipe = None
-        try:
-            os.write(w, b"\0")  # wakes the reporter, which sees _stop set and returns
-        except OSError:  # the pipe is full of signal numbers: the reporter is awake
-            pass
         if threading.current_thread() is not threading.main_thread():
-            return  # cannot unset the wakeup fd from here: leave the handler and w open
+            self._threads = [t for t in self._threads if t.name != "freescale-sigterm"]
+            return
+        w = self._sigterm_pipe[1]
+        self._sigterm_pipe = None
         if signal.getsignal(signal.SIGTERM) is _sigterm_noop:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         current = signal.set_wakeup_fd(-1)
-        if current != w:  # somebody else's since: put it back, keep w open
+        if current != w:  # somebody else's since: theirs stays
             signal.set_wakeup_fd(current)
-            return
-        os.close(w)
+        os.close(w)  # the reporter reads what is left, then end of file, and returns
 
     def _sigterm_reporter(self, fd: int) -> None:
         try:
-            while True:
-                data = os.read(fd, 64)
-                if not data or self._stop.is_set():
-                    return
-                ours = signal.getsignal(signal.SIGTERM) is _sigterm_noop
-                if int(signal.SIGTERM) in data and ours:
+            while data := os.read(fd, 64):  # b"": _restore_sigterm closed the pipe
+                if int(signal.SIGTERM) not in data:
+                    continue  # another signal with a Python handler (SIGINT)
+                handler = signal.getsignal(signal.SIGTERM)
+                if handler is _sigterm_noop:
                     if not self._raised:  # a collective error already said it all
                         _say(f"[freescale rank {self.rank}] {self.sigterm_report()}")
                     try:
@@ -490,6 +487,9 @@ class FaultMonitor(TrainerHook):
                     except Exception:  # noqa: BLE001
                         pass
                     os._exit(EXIT_TERMINATED)
+                if handler is signal.SIG_DFL:  # came while close() restored the default:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the do-nothing handler took it
+                # else: a handler installed since (the user's) has it
         finally:
             os.close(fd)
 
