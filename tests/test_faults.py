@@ -298,7 +298,7 @@ def test_killed_rank_ends_job_within_timeout(tmp_path, data_thread):
     assert after < timeout + SLACK_S, (after, out)
     # rank 0's error names the collective, the step and the dead rank; or, when torch's
     # launcher saw rank 1 die and terminated rank 0 before rank 0 reached a collective
-    # with it (1 in ~20 clean CI runs, session 47), rank 0's SIGTERM report names the
+    # with it (once in session 47's clean CI runs), rank 0's SIGTERM report names the
     # step and the dead rank
     assert "[freescale rank 0] RankLost: " in out, out
     line = next(ln for ln in out.splitlines() if "[freescale rank 0] RankLost" in ln)

@@ -345,12 +345,9 @@ class FaultMonitor(TrainerHook):
             if rec is None:
                 parts.append(f"rank {r} did not arrive (no heartbeat published)")
                 continue
-            where = _where(rec)
             state = f"dead: {dead[r]}" if r in dead else "alive"
             verb = "was lost" if (lost and r in dead and r not in behind) else "did not arrive"
-            parts.append(
-                f"rank {r} {verb} (last seen: {where}, {now - rec['t']:.1f} s ago; {state})"
-            )
+            parts.append(_peer_line(r, verb, rec, now, state))
         return "; ".join(parts)
 
     def _on_error(self, aw: Awaitable[Any], exc: BaseException) -> CollectiveError:
@@ -512,10 +509,7 @@ class FaultMonitor(TrainerHook):
         for r in sorted(dead):
             rec = peers[r]
             assert rec is not None  # _dead only names ranks with a record
-            parts.append(
-                f"rank {r} was lost (last seen: {_where(rec)}, {now - rec['t']:.1f} s ago; "
-                f"dead: {dead[r]})"
-            )
+            parts.append(_peer_line(r, "was lost", rec, now, f"dead: {dead[r]}"))
         return f"{RankLost.__name__}: {head}: " + "; ".join(parts)
 
     def explain(self, exc: BaseException) -> CollectiveError | None:
@@ -546,9 +540,11 @@ def _position(rec: dict[str, Any]) -> tuple[int, int, int]:
     return (int(rec["step"]), _STAGES.get(rec["stage"], 0), int(rec["seq"]))
 
 
-def _where(rec: dict[str, Any]) -> str:
-    """Where a heartbeat record says its rank was: ``all_to_all 'ids' of step 3 (data)``."""
-    return f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
+def _peer_line(r: int, verb: str, rec: dict[str, Any], now: float, state: str) -> str:
+    """One peer in a diagnosis: ``rank 1 was lost (last seen: all_to_all 'ids' of step 3
+    (data+forward), 0.3 s ago; dead: process 4440 has exited)``."""
+    where = f"{rec['what'] or 'no collective yet'} of step {rec['step']} ({rec['stage']})"
+    return f"rank {r} {verb} (last seen: {where}, {now - rec['t']:.1f} s ago; {state})"
 
 
 def _pid_alive(pid: int) -> bool:
