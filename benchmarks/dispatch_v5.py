@@ -256,6 +256,16 @@ for _base in ("v5_t2048_w4_u4", "ranks_t2048_c4_s8_u4", "ranks_t2048_c4_s8_u4_sn
               *H100_BASES):  # fmt: skip
     CONFIGS[f"{_base}_rev"] = {**CONFIGS[_base], "reverse": True}
 
+# session 49: the atomic scatter (`V5Config(scatter="atomic")`: unordered ranks by shared
+# atomics, then each id's stable rank within its dest's run; no loop in input order), on
+# the tiles and warps of each table's ranks configs
+for _base, _tile in (("ranks_t2048_c4_s8_u4_sn16", 2048), ("ranks_t4096_c8_s16_u2_sn16", 4096),
+                     ("ranks_t8192_c8_s16_u2_v32_pf_sn16", 8192),
+                     ("ranks_t8192_c8_s16_u2_v32_pf_sn16", 4096),
+                     ("ranks_t16384_c8_s16_u2_v32_pf_sn16", 16384)):  # fmt: skip
+    _name = f"atomic_t{_tile}" + _base[len(f"ranks_t{CONFIGS[_base]['tile']}"):]
+    CONFIGS[_name] = {**CONFIGS[_base], "scatter": "atomic", "tile": _tile}
+
 
 def _diff(a, b) -> list[str]:
     return [f for f in FIELDS if not torch.equal(getattr(a, f), getattr(b, f))]

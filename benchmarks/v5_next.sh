@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min;
-# queued since session 47: session 48 got no device):
+# Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
-#   H200: session 47's table (`default_config_v5`; measured at 88bebc9,
+#   Session 49's atomic scatter (`V5Config(scatter="atomic")`, opt-in, never run on a GPU
+#   before this call; compiled for sm_90 on CPU by the tests): `dispatch_v5.py
+#   --check-only` on two atomic configs (chk/), then, if they match the reference, the
+#   A/B of five atomic configs next to the card's table at W = 128 .. 2048 (ab4/; the
+#   table's W = 1024 call took 1.253 ms on an H200 at d4ce341, 0.355 of the floor), then
+#   `benchmarks/kernels.py` under the card's table of record (k/kernels.json: on an H200
+#   the figure of session 47's table, queued since session 47; ~195 s, here with a
+#   170 s budget).
+#   Session 47's H200 table (`default_config_v5`; measured at 88bebc9,
 #         `dispatch_v5_rev_h200_88bebc9.json`, two runs: the 2048-id ranks config with
 #         `reverse=True` took 0.950x the table before at W = 32 and 0.989x at 128, 1.002x
 #         at 64; the staged scatter reversed 0.942x at W = 16, one run; the 4096-id config
-#         with int16 snapshots 0.951x at W = 256): `benchmarks/kernels.py` (the kernels
-#         figure, k/kernels.json, ~200 s), then the table timed next to the staged scatter
-#         unreversed at W = 8 (untimed there) and the W = 256 config reversed (ab3/).
-#   H100: `benchmarks/kernels.py` (the H100 figure, k/kernels.json): session 47 gave the
-#         H100 table the H200's reversed 2048-id config at W = 32..64 (0.971x / 0.979x the
-#         4096-id config there, twice, `dispatch_v5_rev_h100_bf4a007.json`; reversing the
-#         H100's own configs gained nothing: 1.000-1.010x at W = 32..256, 1.001x at 1024).
+#         with int16 snapshots 0.951x at W = 256).
 #   Earlier calls: session 46 timed three opt-in options of the ranks scatter on an H100
 #   (`dispatch_v5_s46_h100_08354e1.json`: `match_ahead`, the ordered loop pipelined by one
 #   chunk, 1.000x the base at W = 1024 (twice), 0.985x at 2048, 1.025x at 64;
@@ -73,18 +74,17 @@ ab() { # ab SECONDS DIR WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no sep
   step "$1" "$OUT/$2.log" python3 benchmarks/dispatch_v5.py --out "$OUT/$2" --git-sha "$SHA" \
     --no-check --workloads large --worlds $3 --configs $4
 }
-case $CARD in
-  *H200*)
-    # session 47's table (tiles last first below W = 256; the 4096-id config with int16
-    # snapshots from 256) is v5_default: the kernels figure, then the table next to the
-    # staged scatter unreversed at W = 8 and the W = 256 config reversed
-    # (the figure first: a call cut short by the device budget keeps it)
-    step 300 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
-    ab 90 ab3 "8 256" "v5_t2048_w4_u4 ranks_t4096_c8_s16_u2_sn16_rev"
-    ;;
-  *)
-    # the H100 figure after session 47's table change at W = 32..64
-    step 300 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA"
-    ;;
-esac
+# both cards: the atomic scatter (session 49) checked bitwise against the reference
+# (random inputs, W = 1 .. 4096, block and modulo, int32 and int64), then timed next to
+# the card's table at W = 128 .. 2048 (ab4/, every timed call also compared with v4's
+# output), then the card's kernels figure under its table of record (k/)
+step 120 "$OUT/chk.log" python3 benchmarks/dispatch_v5.py --out "$OUT/chk" --git-sha "$SHA" \
+  --check-only --check-configs atomic_t8192_c8_s16_u2_v32_pf_sn16 atomic_t2048_c4_s8_u4_sn16
+if [ $fail -eq 0 ]; then
+  ab 220 ab4 "128 256 512 1024 2048" "atomic_t2048_c4_s8_u4_sn16 atomic_t4096_c8_s16_u2_sn16 \
+atomic_t4096_c8_s16_u2_v32_pf_sn16 atomic_t8192_c8_s16_u2_v32_pf_sn16 \
+atomic_t16384_c8_s16_u2_v32_pf_sn16"
+fi
+step 230 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA" \
+  --budget-s 170
 exit $fail

@@ -67,14 +67,13 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     done = _plan(tmp_path, card)
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
-    if "H200" in card:  # the figure, then session 47's table next to two other configs
-        assert len(steps) == 2, steps
-        assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[0], steps
-        assert f"--out {tmp_path}/ab3 " in steps[1] and "--worlds 8 256 " in steps[1]
-        assert "v5_t2048_w4_u4 " in steps[1] and "FREESCALE_V5_TABLE" not in steps[1]
-    else:  # the H100 figure after session 47's table change
-        assert len(steps) == 1, steps
-        assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[0], steps
+    # both cards (session 49): the atomic scatter checked, then timed next to the table
+    # from W = 128, then the card's figure
+    assert len(steps) == 3, steps
+    assert "--check-only --check-configs atomic_" in steps[0], steps
+    assert f"--out {tmp_path}/ab4 " in steps[1] and "--worlds 128 256 512 1024 2048 " in steps[1]
+    assert "atomic_t8192_c8_s16_u2_v32_pf_sn16" in steps[1], steps
+    assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[2], steps
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|check-configs|ncu-config) ([\w ]+?)(?: --|$)", step):

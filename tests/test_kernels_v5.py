@@ -112,6 +112,10 @@ def test_config_errors_are_clear() -> None:
             v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(diag_skip=bad))
     with pytest.raises(ValueError, match='diag_skip > 0 is an option of scatter="ranks"'):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(diag_skip=1))
+    for knob in ("slots='pos'", "dests='stored'", "ahead=4", "narrow=True", "l2_ahead=3"):
+        cfg = eval(f'v5.V5Config(scatter="atomic", {knob})')
+        with pytest.raises(ValueError, match='scatter="atomic" takes tile, .* got ' + knob):
+            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=cfg)
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -257,6 +261,12 @@ def _run_fresh(tmp_path, code: str) -> dict:
          'snaps="int16", reverse=True'),
         (7, 256, 4, 2, True, "int32", "staged", "rows", "dest", "recompute", "int64",
          "reverse=True"),
+        (1, 256, 1, 1, False, "int32", "atomic", "rows", "dest", "recompute", "int64", ""),
+        (7, 256, 4, 2, True, "int64", "atomic", "columns", "dest", "recompute", "int32",
+         "prefetch=True, reverse=True"),
+        (1024, 8192, 16, 2, False, "int64", "atomic", "rows", "dest", "recompute", "int32",
+         'prefetch=True, snaps="int16"'),
+        (4096, 2048, 8, 4, True, "int32", "atomic", "rows", "dest", "recompute", "int64", ""),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -288,7 +298,11 @@ cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unrol
                   staging="{staging}", **dict({knobs}))
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
-used = ("match.any.sync", "st.shared.u64", "st.shared.u16", "bar.warp.sync", "shfl.sync.up")
+used = ("st.shared.u64", "st.shared.u16", "shfl.sync.up")
+if cfg.scatter == "atomic":  # no ordered loop: shared atomics and the runs' rank loop
+    used += ("atom.shared.add.u32", "RUN_LOOP")
+else:
+    used += ("match.any.sync", "bar.warp.sync")
 used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
 used += ("st.shared.u32",) if cfg.slots == "pos" else ()
 assert "atom.shared" in kernels["count"].asm["ptx"]
@@ -546,6 +560,11 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         # session 47: the scatter takes the tiles last first
         ("ranks", "dest", "recompute", "int32", 1 << 44, "prefetch=True, reverse=True"),
         ("staged", "dest", "recompute", "int64", 10_000, "reverse=True"),
+        # session 49: the atomic scatter (unordered ranks, then stable ranks within runs)
+        ("atomic", "dest", "recompute", "int64", 10_000, ""),
+        ("atomic", "dest", "recompute", "int32", 1 << 44, "prefetch=True"),
+        ("atomic", "dest", "recompute", "int32", 1 << 44, 'tile=8192, snaps="int16"'),
+        ("atomic", "dest", "recompute", "int64", 10_000, "unroll=1, reverse=True"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])
@@ -642,3 +661,41 @@ def test_transpose_kernel_equals_torch(rows: int, cols: int, monkeypatch) -> Non
     x = torch.randint(-(2**31), 2**31 - 1, (rows, cols), dtype=torch.int32, device=device)
     got = v5.transpose_2d(x, block=16 if device == "cpu" else 64)
     assert torch.equal(got, x.t().contiguous())
+
+
+def _atomic_scatter_model(dest: torch.Tensor, world: int, order: torch.Tensor) -> torch.Tensor:
+    """`_atomic_tile`'s steps on one tile in plain PyTorch, the shared atomics taken in
+    the given `order` (any permutation of the input indices): the final tile slot of
+    each input index (a1: unordered ranks; b: starts; a2: input indices by slot; a3:
+    rank within the run = input indices of the run below one's own)."""
+    n = dest.numel()
+    counters = [0] * (world + 1)
+    u = torch.empty(n, dtype=torch.long)
+    for i in order.tolist():  # a1
+        u[i] = counters[int(dest[i])]
+        counters[int(dest[i])] += 1
+    starts = torch.zeros(world + 1, dtype=torch.long)  # b: entry W = n
+    starts[1:] = torch.cumsum(torch.tensor(counters[:world]), 0)
+    li_by_slot = torch.empty(n, dtype=torch.long)  # a2
+    li_by_slot[starts[dest] + u] = torch.arange(n)
+    final = torch.empty(n, dtype=torch.long)
+    for p in range(n):  # a3
+        li, d = int(li_by_slot[p]), int(dest[li_by_slot[p]])
+        run = li_by_slot[starts[d] : starts[d + 1]]
+        final[li] = starts[d] + int((run < li).sum())
+    return final
+
+
+@pytest.mark.parametrize("world,n", [(1, 50), (7, 300), (64, 1000), (1024, 3000)])
+def test_atomic_scatter_model_gives_the_stable_order_for_any_atomic_order(world, n) -> None:
+    """The atomic scatter's argument, on CPU (its Gluon kernel runs on a GPU only, where
+    `test_v5_equals_reference_on_gpu` compares its bits): whatever order the shared
+    atomics take, the rank within each dest's run restores the stable sort by dest of
+    the tile, the order `reference.ranged_dispatch` gives."""
+    g = torch.Generator().manual_seed(world * 7 + n)
+    dest = torch.randint(0, world, (n,), generator=g)
+    dest[: n // 10] = 0  # one long run
+    stable = torch.empty(n, dtype=torch.long)
+    stable[torch.sort(dest, stable=True).indices] = torch.arange(n)
+    for order in (torch.arange(n), torch.arange(n).flip(0), torch.randperm(n, generator=g)):
+        assert torch.equal(_atomic_scatter_model(dest, world, order), stable)

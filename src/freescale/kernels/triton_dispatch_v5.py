@@ -246,6 +246,44 @@ def _sh_add32(off, pred):
 
 
 @gluon.jit
+def _sh_fetch_add16(off, pred):
+    """+1 on the uint16 at byte offset `off` where `pred`, as `_sh_add16` (an
+    atom.shared.add.u32 of 1 or 1 << 16 on the aligned word holding it), returning the
+    uint16's value before the add (0 where not `pred`): the atomic scatter's unordered
+    rank of an id among the tile's ids of its dest."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a, v, o, s; .reg .pred p; setp.ne.s32 p, $2, 0; and.b32 s, $1, 2; "
+        "shl.b32 s, s, 3; mov.u32 v, 1; shl.b32 v, v, s; and.b32 a, $1, -4; mov.u32 o, 0; "
+        "@p atom.shared.add.u32 o, [a], v; shr.u32 o, o, s; and.b32 $0, o, 65535; }",
+        "=r,r,r",
+        [_sh_addr(off), pred],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _run_rank(lo, hi, key):
+    """Per lane, how many of the uint16 at byte offsets [lo, hi) of the reserved buffer
+    are below `key` (a loop in PTX, as long as the lane's own range: lanes of one warp
+    with shorter ranges wait for the longest). The atomic scatter's stable rank of an id
+    within its dest's run of the tile: the run holds the input indices of the dest's ids
+    in the order the atomics gave them."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .u32 a, e, v, r; .reg .pred p, q; mov.u32 a, $1; mov.u32 e, $2; "
+        "mov.u32 r, 0; setp.ge.u32 p, a, e; @p bra RUN_DONE; RUN_LOOP: "
+        "ld.shared.u16 v, [a]; setp.lt.u32 q, v, $3; selp.u32 v, 1, 0, q; add.u32 r, r, v; "
+        "add.u32 a, a, 2; setp.lt.u32 p, a, e; @p bra RUN_LOOP; RUN_DONE: mov.u32 $0, r; }",
+        "=r,r,r,r",
+        [_sh_addr(lo), _sh_addr(hi), key],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _warp_sync(x):
     """bar.warp.sync: orders the shared accesses of a warp's lanes (x: any int32 tensor
     of the layout; the dummy result keeps the asm in program order)."""
@@ -499,10 +537,12 @@ def _write_staged(out_values_ptr, n_t, e2, VAL: gl.constexpr, DSLOT: gl.constexp
 @gluon.jit
 def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
                  WTOT: gl.constexpr, WORLD: gl.constexpr, WROW: gl.constexpr,
-                 NW: gl.constexpr, CH: gl.constexpr, ET_EARLY: gl.constexpr):  # fmt: skip
-    """Step (b) of both scatter kernels. In: WC[w][d] = warp w's count of dest d (uint16,
-    rows of WROW >= WORLD entries, WROW a multiple of 4). Out: WC[w][d] = the tile slot
-    where warp w's first id of dest d goes (the tile-local start of d, an exclusive scan
+                 NW: gl.constexpr, CH: gl.constexpr, ET_EARLY: gl.constexpr,
+                 ROWS: gl.constexpr):  # fmt: skip
+    """Step (b) of the scatter kernels. In: WC[w][d] = warp w's count of dest d (uint16,
+    ROWS rows of WROW >= WORLD entries, WROW a multiple of 4; ROWS = NW, or 1 for the
+    atomic scatter's one row of tile counts). Out: WC[w][d] = the tile slot
+    where row w's first id of dest d goes (the tile-local start of d, an exclusive scan
     over dests, plus the counts of warps before w), SHIFT[d] = et[t, d] minus that local
     start (int64). Each lane owns 4 consecutive dests and moves them as one u64 of 4
     packed uint16 (additions never carry between the fields: every start + count <=
@@ -517,7 +557,7 @@ def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
         qm = q < QUADS
         qc = gl.where(qm, q, 0)
         tot = zero.to(gl.int64)
-        for ww in gl.static_range(NW):
+        for ww in gl.static_range(ROWS):
             tot += _sh_ld64(WC + (ww * WROW + qc * 4) * 2)
         tot = gl.where(qm, tot, 0)
         c0 = (tot & 0xFFFF).to(gl.int32)
@@ -542,7 +582,7 @@ def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
         run = (s0.to(gl.int64) | (s1.to(gl.int64) << 16) | (s2.to(gl.int64) << 32)
                | (s3.to(gl.int64) << 48))  # fmt: skip
         qmi = qm.to(gl.int32)
-        for ww in gl.static_range(NW):
+        for ww in gl.static_range(ROWS):
             a = WC + (ww * WROW + qc * 4) * 2
             cw = _sh_ld64(a)
             _sh_st64(a, run, qmi)
@@ -724,7 +764,7 @@ def _v5_scatter_kernel(
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
-    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY)
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW)
     # (c) stable slots, staging, perm; the ids are loaded two chunks ahead
     wloc = w * sub + lane
     ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < n_t, other=0).to(gl.int64)
@@ -883,7 +923,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
-    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY)
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW)
     # (r2) every id in any order: the dest again (from the id), slot = the warp's start
     # for the dest + the rank; value staged at the slot, output position to perm. With
     # PREFETCH the next pass's ids are loaded before this pass's work (double buffer)
@@ -992,6 +1032,172 @@ def _v5_scatter_ranks_kernel(
         _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                     WORLD, MODULO, TILE, NW, U, POS, DST, V32, AHEAD, PREFETCH, False,
                     L2PF, SKIP)  # fmt: skip
+    _keep_live(buf0, out_values_ptr, t, layout, CH)
+    if B1 > 0:
+        _keep_live(buf1, out_values_ptr, t, layout, CH)
+    if B2 > 0:
+        _keep_live(buf2, out_values_ptr, t, layout, CH)
+    if B3 > 0:
+        _keep_live(buf3, out_values_ptr, t, layout, CH)
+
+
+@gluon.jit
+def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                 WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
+                 NW: gl.constexpr, U: gl.constexpr, V32: gl.constexpr,
+                 PREFETCH: gl.constexpr):  # fmt: skip
+    """The work of `_v5_scatter_atomic_kernel` for tile t (`_ranks_tile`'s arguments):
+    no loop in input order at all.
+
+    (a1) every id in any order: its dest, its unordered rank u among the tile's ids of
+    that dest (`_sh_fetch_add16` on one row of tile counters), u and the dest stored by
+    input index; (b) `_slot_starts` with one row: the counters become the dests'
+    tile-local starts, SHIFT[d] = et[t, d] - start[d]; (a2) every id in any order: its
+    value staged at slot start[d] + u, its input index and dest by slot; (a3) the slots in
+    order: the stable rank r of the slot's id in its dest's run = how many input indices
+    of the run are below its own (`_run_rank`; the run is [start[d], start[d + 1]), ~tile
+    / W ids, which is why this scatter is for large W), the value written out to
+    et[t, d] + r (a warp's stores cover the same runs as in slot order), the final slot
+    start[d] + r by input index; (a4) every id in input order: perm = SHIFT[d] + its final
+    slot (coalesced stores).
+
+    Shared layout (bytes): VAL [TILE] int64 staging (int32 with V32: a value outside
+    [0, 2^31 - 1) is staged as -1 and a3 maps its id again); SHIFT [W] int64; WC [WROW]
+    uint16 tile counters, then starts (WROW >= W + 1, a multiple of 4: entry W holds the
+    tile's id count after the scan, the end of the last run); UR [TILE] uint16 by input
+    index (u, then the final slot); LI [TILE] uint16 by slot (input index); DSLOT [TILE]
+    uint16 by slot (dest); DEST [TILE] uint16 by input index (dest); WTOT [NW] int32."""
+    CH: gl.constexpr = NW * 32
+    VAL: gl.constexpr = 0
+    SHIFT: gl.constexpr = VAL + TILE * (4 if V32 else 8)
+    WROW: gl.constexpr = (WORLD + 4) // 4 * 4  # one row, entry W included
+    WC: gl.constexpr = SHIFT + WORLD * 8
+    WC_WORDS: gl.constexpr = WROW // 2
+    UR: gl.constexpr = WC + WC_WORDS * 4
+    LI: gl.constexpr = UR + TILE * 2
+    DSLOT: gl.constexpr = LI + TILE * 2
+    DEST: gl.constexpr = DSLOT + TILE * 2
+    WTOT: gl.constexpr = DEST + TILE * 2
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    e = gl.arange(0, CH, layout=layout)
+    w = e // 32
+    lane = e % 32
+    e2 = gl.arange(0, CH * U, layout=layout)
+    ET_EARLY: gl.constexpr = WORLD <= CH * U
+    if ET_EARLY:
+        et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
+    _zero_words(WC, WC_WORDS, e, CH)
+    # (a1) any order: unordered rank by a shared atomic; u and dest by input index
+    for j0 in range(0, n_t, CH * U):
+        loc = j0 + e2
+        m = loc < n_t
+        locc = gl.where(m, loc, 0)
+        mi = m.to(gl.int32)
+        ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        d, _ = _dest_local(ids, blk, inv, WORLD, MODULO, False)
+        d = gl.where(m, d, 0)
+        u = _sh_fetch_add16(WC + d * 2, mi)
+        _sh_st16(UR + locc * 2, u, mi)
+        _sh_st16(DEST + locc * 2, d, mi)
+    # PREFETCH: a2's first ids are loaded here, in flight during (b)
+    nxt = gl.load(values_ptr + start + e2, mask=(e2 < n_t) & PREFETCH, other=0).to(gl.int64)
+    if ET_EARLY:
+        _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
+    gl.thread_barrier()
+    # (b) one row: tile-local start of each dest (entry W: n_t), SHIFT
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, 1)
+    # (a2) any order: value, input index and dest at slot start[d] + u
+    for j0 in range(0, n_t, CH * U):
+        loc = j0 + e2
+        m = loc < n_t
+        locc = gl.where(m, loc, 0)
+        mi = m.to(gl.int32)
+        if PREFETCH:
+            ids = nxt
+            nl = loc + CH * U
+            nxt = gl.load(values_ptr + start + nl, mask=nl < n_t, other=0).to(gl.int64)
+        else:
+            ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
+        d, local = _dest_local(ids, blk, inv, WORLD, MODULO, False)
+        d = gl.where(m, d, 0)
+        slot = _sh_ld16(WC + d * 2) + _sh_ld16(UR + locc * 2)
+        if V32:
+            fits = local.to(gl.uint64) < 0x7FFFFFFF  # 0 <= local < 2^31 - 1
+            _sh_st32(VAL + slot * 4, gl.where(fits, local, -1).to(gl.int32), mi)
+        else:
+            _sh_st64(VAL + slot * 8, local, mi)
+        _sh_st16(LI + slot * 2, loc, mi)
+        _sh_st16(DSLOT + slot * 2, d, mi)
+    gl.thread_barrier()
+    # (a3) slot order: stable rank within the run, write-out, final slot by input index
+    for j0 in range(0, n_t, CH * U):
+        p = j0 + e2
+        m = p < n_t
+        pc = gl.where(m, p, 0)
+        mi = m.to(gl.int32)
+        li = _sh_ld16(LI + pc * 2)
+        d = _sh_ld16(DSLOT + pc * 2)
+        s = _sh_ld16(WC + d * 2)
+        r = _run_rank(LI + s * 2, LI + _sh_ld16(WC + d * 2 + 2) * 2, li)
+        f = s + r
+        if V32:
+            v = _sh_ld32(VAL + pc * 4).to(gl.int64)
+            big = m & (v == -1)
+            ids = gl.load(values_ptr + start + li, mask=big, other=0).to(gl.int64)
+            v = gl.where(big, _local_of(ids, d, blk, WORLD, MODULO), v)
+        else:
+            v = _sh_ld64(VAL + pc * 8)
+        at = _sh_ld64(SHIFT + d * 8) + f.to(gl.int64)
+        gl.store(out_values_ptr + at, v.to(out_values_ptr.dtype.element_ty), mask=m)
+        _sh_st16(UR + li * 2, f, mi)
+    gl.thread_barrier()
+    # (a4) input order: perm = SHIFT[d] + final slot
+    for j0 in range(0, n_t, CH * U):
+        loc = j0 + e2
+        m = loc < n_t
+        locc = gl.where(m, loc, 0)
+        d = _sh_ld16(DEST + locc * 2)
+        at = _sh_ld64(SHIFT + d * 8) + _sh_ld16(UR + locc * 2).to(gl.int64)
+        gl.store(perm_ptr + start + loc, at, mask=m)
+
+
+@gluon.jit
+def _v5_scatter_atomic_kernel(
+    values_ptr,
+    block_sizes_ptr,
+    tile_key_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    et_ptr,
+    out_values_ptr,
+    perm_ptr,
+    WORLD: gl.constexpr,
+    MODULO: gl.constexpr,
+    TILE: gl.constexpr,
+    NW: gl.constexpr,
+    U: gl.constexpr,
+    V32: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    B0: gl.constexpr,
+    B1: gl.constexpr,
+    B2: gl.constexpr,
+    B3: gl.constexpr,
+    REV: gl.constexpr,
+):
+    """Tile t, ``scatter="atomic"`` (`_atomic_tile`'s steps a1, b, a2, a3, a4)."""
+    CH: gl.constexpr = NW * 32
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    buf0 = _reserve(B0)
+    if B1 > 0:
+        buf1 = _reserve(B1)
+    if B2 > 0:
+        buf2 = _reserve(B2)
+    if B3 > 0:
+        buf3 = _reserve(B3)
+    t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
+                                           block_sizes_ptr, REV)  # fmt: skip
+    _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
+                 WORLD, MODULO, TILE, NW, U, V32, PREFETCH)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1234,7 +1440,7 @@ def table_name(card: Optional[str]) -> Optional[str]:
     return TABLE_CARDS[forced]
 
 
-SCATTERS = ("staged", "ranks")
+SCATTERS = ("staged", "ranks", "atomic")
 COUNTS = ("rows", "columns")
 SLOTS = ("dest", "pos")
 DESTS = ("recompute", "stored")
@@ -1245,7 +1451,13 @@ SNAPS = {"int32": torch.int32, "int16": torch.int16}
 def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = None) -> int:
     """Shared memory the scatter program reserves (the count program's is W * 4): per id
     12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest), 14
-    where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``)."""
+    where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``); the
+    atomic scatter 16 (value, rank, input index, slot dest, input dest), less 4 with
+    int32 staging, and one row of W + 1 counters."""
+    if cfg.scatter == "atomic":  # VAL, UR, LI, DSLOT, DEST; one counter row of W + 1
+        per_id = 16 - (4 if _v32(cfg) else 0)
+        row = (world_size + 4) // 4 * 4
+        return cfg.tile * per_id + world_size * 8 + row * 2 + cfg.scatter_warps * 4
     pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
     per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0) - (4 if _v32(cfg) else 0)
@@ -1263,15 +1475,22 @@ def _narrow(cfg: V5Config, modulo: bool) -> bool:
 
 
 def _v32(cfg: V5Config) -> bool:
-    return cfg.scatter == "ranks" and cfg.staging == "int32"
+    return cfg.scatter in ("ranks", "atomic") and cfg.staging == "int32"
 
 
 def _scatter_kernel(cfg: V5Config):
-    return _v5_scatter_ranks_kernel if cfg.scatter == "ranks" else _v5_scatter_kernel
+    return {"ranks": _v5_scatter_ranks_kernel, "atomic": _v5_scatter_atomic_kernel}.get(
+        cfg.scatter, _v5_scatter_kernel
+    )
 
 
 def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs) -> dict:
     """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
+    if cfg.scatter == "atomic":
+        return {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile,
+                "NW": cfg.scatter_warps, "U": cfg.unroll, "V32": _v32(cfg),
+                "PREFETCH": cfg.prefetch, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
+                "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
             "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
             "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
@@ -1299,6 +1518,14 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"unroll must be 1, 2, 4 or 8, got {cfg.unroll}")
     if cfg.scatter not in SCATTERS:
         raise ValueError(f"scatter must be one of {SCATTERS}, got {cfg.scatter!r}")
+    if cfg.scatter == "atomic":
+        given = [f"{k}={getattr(cfg, k)!r}" for k, off in _ATOMIC_OFF.items()
+                 if getattr(cfg, k) != off]  # fmt: skip
+        if given:
+            raise ValueError(
+                f'scatter="atomic" takes tile, warps, unroll, staging, prefetch, counts, '
+                f"snaps and reverse only, got {', '.join(given)}"
+            )
     if cfg.counts not in COUNTS:
         raise ValueError(f"counts must be one of {COUNTS}, got {cfg.counts!r}")
     if cfg.slots not in SLOTS:
@@ -1333,8 +1560,10 @@ def check_config(cfg: V5Config) -> None:
         raise ValueError(f"snaps must be one of {tuple(SNAPS)}, got {cfg.snaps!r}")
     if cfg.staging not in STAGINGS:
         raise ValueError(f"staging must be one of {STAGINGS}, got {cfg.staging!r}")
-    if cfg.staging == "int32" and cfg.scatter != "ranks":
-        raise ValueError(f'staging="int32" is an option of scatter="ranks", got {cfg.scatter!r}')
+    if cfg.staging == "int32" and cfg.scatter not in ("ranks", "atomic"):
+        raise ValueError(
+            f'staging="int32" is an option of scatter="ranks" or "atomic", got {cfg.scatter!r}'
+        )
     if cfg.dests == "stored" and cfg.scatter != "ranks":
         raise ValueError(
             'dests="stored" is an option of scatter="ranks" (the staged scatter keeps its '
@@ -1345,6 +1574,10 @@ def check_config(cfg: V5Config) -> None:
             f'scatter="ranks" needs tile >= 32 * scatter_warps (a warp ranks whole chunks '
             f"of 32), got tile {t}, scatter_warps {cfg.scatter_warps}"
         )
+
+
+_ATOMIC_OFF = {"slots": "dest", "dests": "recompute", "ahead": 2, "narrow": False,
+               "l2_prefetch": False, "l2_ahead": 0, "diag_skip": 0}  # fmt: skip
 
 
 def v5_supported(world_size: int, weights: Optional[torch.Tensor], cfg: V5Config) -> bool:
