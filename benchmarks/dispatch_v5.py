@@ -263,7 +263,7 @@ for _base, _tile in (("ranks_t2048_c4_s8_u4_sn16", 2048), ("ranks_t4096_c8_s16_u
                      ("ranks_t8192_c8_s16_u2_v32_pf_sn16", 8192),
                      ("ranks_t8192_c8_s16_u2_v32_pf_sn16", 4096),
                      ("ranks_t16384_c8_s16_u2_v32_pf_sn16", 16384)):  # fmt: skip
-    _name = f"atomic_t{_tile}" + _base[len(f"ranks_t{CONFIGS[_base]['tile']}"):]
+    _name = f"atomic_t{_tile}" + _base[len(f"ranks_t{CONFIGS[_base]['tile']}") :]
     CONFIGS[_name] = {**CONFIGS[_base], "scatter": "atomic", "tile": _tile}
 
 
