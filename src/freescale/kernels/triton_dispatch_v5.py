@@ -75,7 +75,18 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   The ranks kernel's body is `_ranks_tile`, called once per program with the tile's
   arithmetic path.
 
-Step (b) is `_slot_starts` in both: 4 packed uint16 counters per u64 shared access.
+* `_v5_scatter_atomic_kernel` (``V5Config(scatter="atomic")``, session 49, opt-in):
+  no ordered loop and one row of tile counters instead of one per warp. (a1) every id
+  in any order takes an unordered rank among the tile's ids of its dest from a shared
+  atomic; (b) the row becomes the dests' tile-local starts; (a2) every id in any order
+  is staged at start + unordered rank with its input index; (a3) in slot order, each
+  id's stable rank is the number of input indices below its own in its dest's run
+  (`_run_rank`, a PTX loop over ~tile / W entries), its value goes to the output there;
+  (a4) perm in input order. Same bits as the others (the rank within the run is the
+  stable one whatever order the atomics took: `test_kernels_v5.py` checks the argument
+  on CPU, the GPU tests the kernel's bits).
+
+Step (b) is `_slot_starts` in all three: 4 packed uint16 counters per u64 shared access.
 
 The output is the stable sort by dest of each tile (v4's definition), so positions
 equal v4's bit for bit. No atomics on global memory, one writer per output element.
@@ -1225,7 +1236,11 @@ class V5Config:
     scatter: "staged" (`_v5_scatter_kernel`: per-warp counts first, then one loop in
         input order that ranks and places) or "ranks" (`_v5_scatter_ranks_kernel`: the
         loop in input order only ranks; placement runs after it in any order; needs
-        tile >= 32 * scatter_warps).
+        tile >= 32 * scatter_warps) or "atomic" (`_v5_scatter_atomic_kernel`, session
+        49, opt-in: no loop in input order; each id's rank among the tile's ids of its
+        dest comes unordered from a shared atomic, and the stable rank is then counted
+        within the dest's run of ~tile / W ids, so it is meant for large W; takes the
+        tile, warps, unroll, staging, prefetch, counts, snaps and reverse knobs only).
     counts: how the count kernel hands the per-(tile, dest) counts to the scan: "rows"
         ([tile][dest] rows, then `transpose_2d`) or "columns" (stored in the scan's
         [dest][tile] order by the count kernel itself: one launch and one copy less).
