@@ -3,7 +3,7 @@
 #
 #   Session 49's atomic scatter (`V5Config(scatter="atomic")`, opt-in, never run on a GPU
 #   before this call; compiled for sm_90 on CPU by the tests): `dispatch_v5.py
-#   --check-only` on one atomic config (chk/), then, if they match the reference, the
+#   --check-only` on one atomic config (chk/), then, if it matches the reference, the
 #   A/B of five atomic configs next to the card's table at W = 128 .. 2048 (ab4/; the
 #   table's W = 1024 call took 1.253 ms on an H200 at d4ce341, 0.355 of the floor), then
 #   `benchmarks/kernels.py` under the card's table of record (k/kernels.json: on an H200
