@@ -81,11 +81,12 @@ ab() { # ab SECONDS DIR WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no sep
 step 120 "$OUT/chk.log" python3 benchmarks/dispatch_v5.py --out "$OUT/chk" --git-sha "$SHA" \
   --check-only --check-configs atomic_t8192_c8_s16_u2_v32_pf_sn16
 if [ $fail -eq 0 ]; then
-  ab 220 ab4 "128 256 512 1024 2048" "atomic_t2048_c4_s8_u4_sn16 atomic_t4096_c8_s16_u2_sn16 \
+  ab 220 ab4 "${AB_WORLDS:-128 256 512 1024 2048}" "atomic_t2048_c4_s8_u4_sn16 atomic_t4096_c8_s16_u2_sn16 \
 atomic_t4096_c8_s16_u2_v32_pf_sn16 atomic_t8192_c8_s16_u2_v32_pf_sn16 \
 atomic_t16384_c8_s16_u2_v32_pf_sn16"
 fi
-if [ "${FIGURE:-1}" != 0 ]; then # FIGURE=0: the check and the A/B only (less device time)
+# FIGURE=0: the check and the A/B only (less device time; AB_WORLDS narrows the A/B)
+if [ "${FIGURE:-1}" != 0 ]; then
   step 230 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA" \
     --budget-s 170
 fi
