@@ -1500,15 +1500,14 @@ def _scatter_kernel(cfg: V5Config):
 
 
 def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs) -> dict:
-    """The scatter kernel's constexprs (the ranks kernel also takes DST)."""
-    if cfg.scatter == "atomic":
-        return {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile,
-                "NW": cfg.scatter_warps, "U": cfg.unroll, "V32": _v32(cfg),
-                "PREFETCH": cfg.prefetch, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
-                "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
+    """The scatter kernel's constexprs (the ranks kernel also takes DST; the atomic one
+    takes V32 and PREFETCH, no POS)."""
     meta = {"WORLD": world_size, "MODULO": modulo, "TILE": cfg.tile, "NW": cfg.scatter_warps,
-            "U": cfg.unroll, "POS": pos, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
+            "U": cfg.unroll, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
             "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
+    if cfg.scatter == "atomic":
+        return {**meta, "V32": _v32(cfg), "PREFETCH": cfg.prefetch}
+    meta["POS"] = pos
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
         meta["V32"] = _v32(cfg)
