@@ -16,6 +16,11 @@ accesses). This script:
    `triton.testing.do_bench` median), each call first checked equal to v4's output;
 3. splits one call of each into kernels (torch.profiler), at W = 8, 32, 128 and 1024.
 
+``--workloads hot`` (session 50) times the large workload's ids mapped to a power law
+(`hot_ids`: id' = rows x (id / rows)^8, so the first shard's rows hold W^(-1/8) of the
+ids, 42% at W = 1024): tiles where one dest takes thousands of ids, the atomic scatter's
+worst case without its LONG path. Its rows never enter the headline.
+
 The floor is `kernels.py`'s: bytes that must be read and written / measured copy
 bandwidth. Usage (one H200, ~2-3 min):
 
@@ -44,7 +49,13 @@ from freescale.kernels.triton_dispatch_v4 import ranged_dispatch_v4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _figure import figure_header, kernel_device_ms, write_figure  # noqa: E402
-from kernels import block_sizes_for, copy_bandwidth, make_workload, time_fast  # noqa: E402
+from kernels import (  # noqa: E402
+    ROWS_PER_TABLE,
+    block_sizes_for,
+    copy_bandwidth,
+    make_workload,
+    time_fast,
+)
 
 FIELDS = ("values", "lengths", "splits", "key_counts", "unbucketize_permute")
 WORLDS = [8, 32, 128, 512, 1024]
@@ -265,6 +276,19 @@ for _base, _tile in (("ranks_t2048_c4_s8_u4_sn16", 2048), ("ranks_t4096_c8_s16_u
                      ("ranks_t16384_c8_s16_u2_v32_pf_sn16", 16384)):  # fmt: skip
     _name = f"atomic_t{_tile}" + _base[len(f"ranks_t{CONFIGS[_base]['tile']}") :]
     CONFIGS[_name] = {**CONFIGS[_base], "scatter": "atomic", "tile": _tile}
+# session 50: the atomic scatter's LONG path (`V5Config(run_limit=...)`) on every tile (rl0)
+# and on none (rlmax: the runs' count alone, ~run length shared loads per id)
+for _limit, _suffix in ((0, "_rl0"), (16384, "_rlmax")):
+    _base = "atomic_t8192_c8_s16_u2_v32_pf_sn16"
+    CONFIGS[_base + _suffix] = {**CONFIGS[_base], "run_limit": _limit}
+
+
+def hot_ids(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """Uniform ids in [0, rows) mapped to a power law, id' = floor(rows x (id / rows)^8)
+    (same dtype): P(id' < rows / W) = W^(-1/8), the first shard's share under row-wise
+    block sharding (0.42 at W = 1024, 0.55 at W = 128)."""
+    x = values.double() / rows
+    return (x**8 * rows).floor_().clamp_(0, rows - 1).to(values.dtype)
 
 
 def _diff(a, b) -> list[str]:
@@ -429,7 +453,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "still compared with v4's output)",
     )
     p.add_argument(
-        "--workloads", nargs="+", default=["large", "per_rank"], choices=["large", "per_rank"]
+        "--workloads",
+        nargs="+",
+        default=["large", "per_rank"],
+        choices=["large", "per_rank", "hot"],
+        help="hot: the large workload's ids on a power law (never in the headline)",
     )
     p.add_argument(
         "--configs",
@@ -509,10 +537,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["copy_bandwidth_gbs"] = bw / 1e9
     rows: list[dict[str, Any]] = []
     workloads = {}
-    for name, batch, total in (("large", 8192, 1 << 26), ("per_rank", 128, None)):
+    for name, batch, total in (
+        ("large", 8192, 1 << 26),
+        ("per_rank", 128, None),
+        ("hot", 8192, 1 << 26),
+    ):
         if name not in args.workloads:
             continue
         workloads[name] = wl = make_workload(name, batch, total, dev, seed=0, smoke=False)
+        if name == "hot":
+            wl["values"] = hot_ids(wl["values"], ROWS_PER_TABLE)
         values, lengths, n = wl["values"], wl["lengths"], wl["n"]
         idx_bytes, len_bytes = values.element_size(), lengths.element_size()
         for w in args.worlds:
@@ -526,7 +560,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             h200 = v5.default_config_v5(w, "NVIDIA H200")
             if v5.default_config_v5(w, card) != h200:  # this card has its own table
                 fns["v5_h200_table"] = lambda a=a, c=h200: v5.ranged_dispatch_v5(*a, config=c)
-            for cname in args.configs if name == "large" else ():
+            for cname in args.configs if name != "per_rank" else ():
                 cfg = v5.V5Config(**CONFIGS[cname])
                 if v5.v5_supported(w, None, cfg):
                     fns[cname] = lambda a=a, cfg=cfg: v5.ranged_dispatch_v5(*a, config=cfg)

@@ -2,13 +2,16 @@
 # Issue 3's next GPU call, whichever card the device tool lends (one call, < 10 min):
 #
 #   Session 49's atomic scatter (`V5Config(scatter="atomic")`, opt-in, never run on a GPU
-#   before this call; compiled for sm_90 on CPU by the tests): `dispatch_v5.py
-#   --check-only` on one atomic config (chk/), then, if it matches the reference, the
-#   A/B of five atomic configs next to the card's table at W = 128 .. 2048 (ab4/; the
-#   table's W = 1024 call took 1.253 ms on an H200 at d4ce341, 0.355 of the floor), then
-#   `benchmarks/kernels.py` under the card's table of record (k/kernels.json: on an H200
-#   the figure of session 47's table, queued since session 47; ~195 s, here with a
-#   170 s budget).
+#   before this call; compiled for sm_90 on CPU by the tests) with session 50's LONG path
+#   (tiles where a dest holds more than `run_limit` ids rank in input order): `dispatch_v5.py
+#   --check-only` on one atomic config (chk/: W = 1 .. 64 there have LONG tiles, W >= 1000
+#   short ones), then, if it matches the reference, the A/B of five atomic configs next
+#   to the card's table at W = 128 .. 2048 (ab4/; the table's W = 1024 call took 1.253 ms
+#   on an H200 at d4ce341, 0.355 of the floor), then the W = 1024 config with the LONG
+#   path everywhere (_rl0), nowhere (_rlmax) and by default, on the large workload and on
+#   power-law ids (hot/: 42% of the ids on the first shard), then `benchmarks/kernels.py`
+#   under the card's table of record (k/kernels.json: on an H200 the figure of session
+#   47's table, queued since session 47; ~195 s, here with a 170 s budget).
 #   Session 47's H200 table (`default_config_v5`; measured at 88bebc9,
 #         `dispatch_v5_rev_h200_88bebc9.json`, two runs: the 2048-id ranks config with
 #         `reverse=True` took 0.950x the table before at W = 32 and 0.989x at 128, 1.002x
@@ -38,7 +41,7 @@
 # base tree and this one in one call with PYTHONPATH=_ab/SHA/src for the first run.
 #
 # Each step has its own time limit and prints its exit status; the script's status is 1
-# when any failed. Results land under DIR (ab*/, k/, *.log).
+# when any failed. Results land under DIR (ab4/, hot/, k/, steps.log: every step's log).
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = extract ]; then
   rm -rf _ab && mkdir -p "_ab/$2" && git archive "$2" src | tar -x -C "_ab/$2" && ls "_ab/$2/src"
@@ -81,13 +84,23 @@ ab() { # ab SECONDS DIR WORLDS CONFIGS: dispatch_v5.py's A/B at 2^26 ids, no sep
 step 120 "$OUT/chk.log" python3 benchmarks/dispatch_v5.py --out "$OUT/chk" --git-sha "$SHA" \
   --check-only --check-configs atomic_t8192_c8_s16_u2_v32_pf_sn16
 if [ $fail -eq 0 ]; then
-  ab 220 ab4 "${AB_WORLDS:-128 256 512 1024 2048}" "atomic_t2048_c4_s8_u4_sn16 atomic_t4096_c8_s16_u2_sn16 \
+  ab 175 ab4 "${AB_WORLDS:-128 256 512 1024 2048}" "atomic_t2048_c4_s8_u4_sn16 atomic_t4096_c8_s16_u2_sn16 \
 atomic_t4096_c8_s16_u2_v32_pf_sn16 atomic_t8192_c8_s16_u2_v32_pf_sn16 \
 atomic_t16384_c8_s16_u2_v32_pf_sn16"
+  # the LONG path's cost and its guard: uniform and power-law ids at W = 1024
+  step 75 "$OUT/hot.log" python3 benchmarks/dispatch_v5.py --out "$OUT/hot" --git-sha "$SHA" \
+    --no-check --workloads large hot --worlds 1024 --configs atomic_t8192_c8_s16_u2_v32_pf_sn16 \
+    atomic_t8192_c8_s16_u2_v32_pf_sn16_rl0 atomic_t8192_c8_s16_u2_v32_pf_sn16_rlmax
 fi
 # FIGURE=0: the check and the A/B only (less device time; AB_WORLDS narrows the A/B)
 if [ "${FIGURE:-1}" != 0 ]; then
-  step 230 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA" \
+  step 220 "$OUT/kernels.log" python3 benchmarks/kernels.py --out "$OUT/k" --git-sha "$SHA" \
     --budget-s 170
+fi
+# one log file: the device tool brings back at most 8 files (json x 4, the plot, this)
+if [ -z "${DRY:-}" ]; then
+  for f in "$OUT"/*.log; do
+    [ "$f" = "$OUT/steps.log" ] || { echo "=== $f"; cat "$f"; rm -f "$f"; }
+  done >> "$OUT/steps.log"
 fi
 exit $fail

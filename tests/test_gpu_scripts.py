@@ -68,12 +68,15 @@ def test_v5_next_plans_existing_configs_and_tests(tmp_path: Path, card: str) -> 
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     # both cards (session 49): the atomic scatter checked, then timed next to the table
-    # from W = 128, then the card's figure
-    assert len(steps) == 3, steps
+    # from W = 128, then (session 50) its LONG path on uniform and power-law ids, then
+    # the card's figure
+    assert len(steps) == 4, steps
     assert "--check-only --check-configs atomic_" in steps[0], steps
     assert f"--out {tmp_path}/ab4 " in steps[1] and "--worlds 128 256 512 1024 2048 " in steps[1]
     assert "atomic_t8192_c8_s16_u2_v32_pf_sn16" in steps[1], steps
-    assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[2], steps
+    assert f"--out {tmp_path}/hot " in steps[2] and "--workloads large hot " in steps[2], steps
+    assert "_rl0" in steps[2] and "_rlmax" in steps[2], steps
+    assert f"benchmarks/kernels.py --out {tmp_path}/k " in steps[3], steps
     known = _dispatch_v5_configs()
     for step in steps:
         for names in re.findall(r"--(?:configs|check-configs|ncu-config) ([\w ]+?)(?: --|$)", step):

@@ -116,6 +116,12 @@ def test_config_errors_are_clear() -> None:
         cfg = eval(f'v5.V5Config(scatter="atomic", {knob})')
         with pytest.raises(ValueError, match='scatter="atomic" takes tile, .* got ' + knob):
             v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=cfg)
+    for bad in (-1, 16385, True, 2.0):
+        cfg = v5.V5Config(scatter="atomic", run_limit=bad)
+        with pytest.raises(ValueError, match="run_limit must be an int in \\[0, 16384\\]"):
+            v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=cfg)
+    with pytest.raises(ValueError, match='run_limit is an option of scatter="atomic"'):
+        v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=v5.V5Config(run_limit=0))
     small = v5.V5Config(tile=256, scatter_warps=16, scatter="ranks")
     with pytest.raises(ValueError, match="tile >= 32 \\* scatter_warps"):
         v5.ranged_dispatch_v5(vals, lengths, blocks, 2, config=small)
@@ -267,6 +273,9 @@ def _run_fresh(tmp_path, code: str) -> dict:
         (1024, 8192, 16, 2, False, "int64", "atomic", "rows", "dest", "recompute", "int32",
          'prefetch=True, snaps="int16"'),
         (4096, 2048, 8, 4, True, "int32", "atomic", "rows", "dest", "recompute", "int64", ""),
+        # session 50: LONG tiles ranked by warp 0 alone (256-id tiles hold no rows of 1024)
+        (1024, 256, 4, 2, False, "int64", "atomic", "rows", "dest", "recompute", "int64",
+         "run_limit=0"),
     ],
 )  # fmt: skip
 def test_kernels_compile_with_the_reserved_layout(
@@ -299,8 +308,8 @@ cfg = v5.V5Config(tile={tile}, count_warps={warps}, scatter_warps={warps}, unrol
 kernels = v5.compile_v5({world}, cfg, modulo={modulo}, values_dtype=torch.{dtype})
 ptx = kernels["scatter"].asm["ptx"]
 used = ("st.shared.u64", "st.shared.u16", "shfl.sync.up")
-if cfg.scatter == "atomic":  # no ordered loop: shared atomics and the runs' rank loop
-    used += ("atom.shared.add.u32", "RUN_LOOP")
+if cfg.scatter == "atomic":  # shared atomics, the runs' rank loop; LONG tiles: match.any
+    used += ("atom.shared.add.u32", "RUN_LOOP", "match.any.sync", "bar.warp.sync")
 else:
     used += ("match.any.sync", "bar.warp.sync")
 used += ("atom.shared.add.u32",) if cfg.scatter == "staged" else ()
@@ -565,6 +574,20 @@ blocks = torch.full((3,), -(-{rows} // world), device="cuda")
         ("atomic", "dest", "recompute", "int32", 1 << 44, "prefetch=True"),
         ("atomic", "dest", "recompute", "int32", 1 << 44, 'tile=8192, snaps="int16"'),
         ("atomic", "dest", "recompute", "int64", 10_000, "unroll=1, reverse=True"),
+        # session 50: the LONG path on every tile (ranking warps: 2 / 8 of 8 at W = 1024 /
+        # 8 with 512-id tiles, 16 with 8192, 1 with 256-id tiles at W = 1024), on none;
+        # the default limit of 64 takes it on most tiles at W = 1 and 8, none at 1024
+        ("atomic", "dest", "recompute", "int32", 1 << 44, "prefetch=True, run_limit=0"),
+        (
+            "atomic",
+            "dest",
+            "recompute",
+            "int32",
+            1 << 44,
+            "tile=8192, scatter_warps=16, unroll=2, prefetch=True, run_limit=0",
+        ),
+        ("atomic", "dest", "recompute", "int64", 10_000, "tile=256, run_limit=0"),
+        ("atomic", "dest", "recompute", "int64", 10_000, "run_limit=16384"),
     ],
 )
 @pytest.mark.parametrize("world", [1, 8, 1024])
@@ -663,27 +686,55 @@ def test_transpose_kernel_equals_torch(rows: int, cols: int, monkeypatch) -> Non
     assert torch.equal(got, x.t().contiguous())
 
 
-def _atomic_scatter_model(dest: torch.Tensor, world: int, order: torch.Tensor) -> torch.Tensor:
+def _atomic_scatter_model(
+    dest: torch.Tensor,
+    world: int,
+    order: torch.Tensor,
+    run_limit: int = 16384,
+    kr: int = 1,
+    mutant: bool = False,
+) -> tuple[torch.Tensor, bool]:
     """`_atomic_tile`'s steps on one tile in plain PyTorch, the shared atomics taken in
     the given `order` (any permutation of the input indices): the final tile slot of
-    each input index (a1: unordered ranks; b: starts; a2: input indices by slot; a3:
-    rank within the run = input indices of the run below one's own)."""
+    each input index and whether the tile was LONG (a1: unordered ranks, LONG when one is
+    >= run_limit; b: starts; LONG, step o: `kr` ranking warps of tile / kr ids count,
+    scan per dest over the warps, then walk their ids in order; a2: input indices by
+    slot; a3: rank within the run = input indices of the run below one's own, or on a
+    LONG tile the slot itself). `mutant`: the ranking warps walk their ids last first."""
     n = dest.numel()
     counters = [0] * (world + 1)
     u = torch.empty(n, dtype=torch.long)
     for i in order.tolist():  # a1
         u[i] = counters[int(dest[i])]
         counters[int(dest[i])] += 1
+    long_tile = bool(n) and int(u.max()) >= run_limit
     starts = torch.zeros(world + 1, dtype=torch.long)  # b: entry W = n
     starts[1:] = torch.cumsum(torch.tensor(counters[:world]), 0)
+    if long_tile:  # o: u becomes the final slot
+        tile = 1 << max(n - 1, 1).bit_length()
+        sub = tile // kr
+        rows = torch.zeros(kr, world, dtype=torch.long)
+        for i in range(n):
+            rows[i // sub, int(dest[i])] += 1
+        first = starts[:world] + torch.cumsum(rows, 0) - rows  # each warp's first slot
+        for wk in range(kr):  # the warps walk concurrently; each in input order
+            walk = range(wk * sub, min(n, wk * sub + sub))
+            for i in reversed(walk) if mutant else walk:
+                d = int(dest[i])
+                u[i] = first[wk, d]
+                first[wk, d] += 1
+    slot = u if long_tile else starts[dest] + u
     li_by_slot = torch.empty(n, dtype=torch.long)  # a2
-    li_by_slot[starts[dest] + u] = torch.arange(n)
+    li_by_slot[slot] = torch.arange(n)
     final = torch.empty(n, dtype=torch.long)
     for p in range(n):  # a3
         li, d = int(li_by_slot[p]), int(dest[li_by_slot[p]])
-        run = li_by_slot[starts[d] : starts[d + 1]]
-        final[li] = starts[d] + int((run < li).sum())
-    return final
+        if long_tile:
+            final[li] = p
+        else:
+            run = li_by_slot[starts[d] : starts[d + 1]]
+            final[li] = starts[d] + int((run < li).sum())
+    return final, long_tile
 
 
 @pytest.mark.parametrize("world,n", [(1, 50), (7, 300), (64, 1000), (1024, 3000)])
@@ -691,11 +742,30 @@ def test_atomic_scatter_model_gives_the_stable_order_for_any_atomic_order(world,
     """The atomic scatter's argument, on CPU (its Gluon kernel runs on a GPU only, where
     `test_v5_equals_reference_on_gpu` compares its bits): whatever order the shared
     atomics take, the rank within each dest's run restores the stable sort by dest of
-    the tile, the order `reference.ranged_dispatch` gives."""
+    the tile, the order `reference.ranged_dispatch` gives; so does a LONG tile's ranking
+    in input order (session 50), whichever the limit and the number of ranking warps."""
     g = torch.Generator().manual_seed(world * 7 + n)
     dest = torch.randint(0, world, (n,), generator=g)
     dest[: n // 10] = 0  # one long run
     stable = torch.empty(n, dtype=torch.long)
     stable[torch.sort(dest, stable=True).indices] = torch.arange(n)
+    longest = int(torch.bincount(dest).max())
     for order in (torch.arange(n), torch.arange(n).flip(0), torch.randperm(n, generator=g)):
-        assert torch.equal(_atomic_scatter_model(dest, world, order), stable)
+        for run_limit, kr in ((16384, 1), (0, 1), (0, 4), (64, 16), (longest, 2)):
+            got, long_tile = _atomic_scatter_model(dest, world, order, run_limit, kr)
+            assert long_tile == (longest > run_limit), (run_limit, longest)
+            assert torch.equal(got, stable), (run_limit, kr)
+
+
+def test_atomic_scatter_model_catches_a_long_tile_walked_out_of_order() -> None:
+    """The model's comparison can fail: LONG tiles whose ranking warps walk their ids
+    last first (a wrong chunk order in step o) break the stable order."""
+    g = torch.Generator().manual_seed(3)
+    dest = torch.randint(0, 4, (200,), generator=g)
+    stable = torch.empty(200, dtype=torch.long)
+    stable[torch.sort(dest, stable=True).indices] = torch.arange(200)
+    for kr in (1, 2):
+        got, long_tile = _atomic_scatter_model(dest, 4, torch.arange(200), 0, kr)
+        assert long_tile and torch.equal(got, stable)
+        got, long_tile = _atomic_scatter_model(dest, 4, torch.arange(200), 0, kr, mutant=True)
+        assert long_tile and not torch.equal(got, stable)

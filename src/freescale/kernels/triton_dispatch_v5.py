@@ -84,7 +84,12 @@ Kernels (one program = one v4 tile: <= `tile` ids of one key; `NW` warps):
   (`_run_rank`, a PTX loop over ~tile / W entries), its value goes to the output there;
   (a4) perm in input order. Same bits as the others (the rank within the run is the
   stable one whatever order the atomics took: `test_kernels_v5.py` checks the argument
-  on CPU, the GPU tests the kernel's bits).
+  on CPU, the GPU tests the kernel's bits). A run's count costs its length per id, so a
+  tile where one dest holds thousands of ids (W = 1, hot ids in one shard's rows) would
+  cost ~tile^2 shared loads: such a LONG tile (a dest with more than
+  ``V5Config.run_limit`` ids, seen in a1) ranks in input order instead (session 50,
+  `_atomic_long_ranks`: up to ``scatter_warps`` warps with their own counter rows in
+  the bytes a2 fills later, as the ranks scatter does), a branch uniform per tile.
 
 Step (b) is `_slot_starts` in all three: 4 packed uint16 counters per u64 shared access.
 
@@ -549,7 +554,7 @@ def _write_staged(out_values_ptr, n_t, e2, VAL: gl.constexpr, DSLOT: gl.constexp
 def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
                  WTOT: gl.constexpr, WORLD: gl.constexpr, WROW: gl.constexpr,
                  NW: gl.constexpr, CH: gl.constexpr, ET_EARLY: gl.constexpr,
-                 ROWS: gl.constexpr):  # fmt: skip
+                 ROWS: gl.constexpr, ROLLED: gl.constexpr):  # fmt: skip
     """Step (b) of the scatter kernels. In: WC[w][d] = warp w's count of dest d (uint16,
     ROWS rows of WROW >= WORLD entries, WROW a multiple of 4; ROWS = NW, or 1 for the
     atomic scatter's one row of tile counts). Out: WC[w][d] = the tile slot
@@ -559,7 +564,9 @@ def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
     packed uint16 (additions never carry between the fields: every start + count <=
     TILE <= 16384), a quarter of the shared accesses of one dest per lane. The scan is
     PTX shuffles within a warp plus the warps' totals through WTOT [NW] int32: no
-    Triton op here may need shared scratch (see `check_layout`). Ends with a barrier."""
+    Triton op here may need shared scratch (see `check_layout`). ROLLED: the rows in a
+    loop rather than unrolled (the atomic scatter's rare LONG path, where 16 unrolled
+    rows raised the whole kernel's registers from 32 to 55). Ends with a barrier."""
     QUADS: gl.constexpr = WROW // 4
     zero = e * 0
     carry = zero
@@ -568,8 +575,12 @@ def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
         qm = q < QUADS
         qc = gl.where(qm, q, 0)
         tot = zero.to(gl.int64)
-        for ww in gl.static_range(ROWS):
-            tot += _sh_ld64(WC + (ww * WROW + qc * 4) * 2)
+        if ROLLED:  # a loop over the rows: registers for one row's quad at a time
+            for ww in range(ROWS):
+                tot += _sh_ld64(WC + (ww * WROW + qc * 4) * 2)
+        else:
+            for ww in gl.static_range(ROWS):
+                tot += _sh_ld64(WC + (ww * WROW + qc * 4) * 2)
         tot = gl.where(qm, tot, 0)
         c0 = (tot & 0xFFFF).to(gl.int32)
         c1 = ((tot >> 16) & 0xFFFF).to(gl.int32)
@@ -593,11 +604,18 @@ def _slot_starts(et_ptr, t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
         run = (s0.to(gl.int64) | (s1.to(gl.int64) << 16) | (s2.to(gl.int64) << 32)
                | (s3.to(gl.int64) << 48))  # fmt: skip
         qmi = qm.to(gl.int32)
-        for ww in gl.static_range(ROWS):
-            a = WC + (ww * WROW + qc * 4) * 2
-            cw = _sh_ld64(a)
-            _sh_st64(a, run, qmi)
-            run += cw
+        if ROLLED:
+            for ww in range(ROWS):
+                a = WC + (ww * WROW + qc * 4) * 2
+                cw = _sh_ld64(a)
+                _sh_st64(a, run, qmi)
+                run += cw
+        else:
+            for ww in gl.static_range(ROWS):
+                a = WC + (ww * WROW + qc * 4) * 2
+                cw = _sh_ld64(a)
+                _sh_st64(a, run, qmi)
+                run += cw
         for i in gl.static_range(4):
             d = qc * 4 + i
             dm = qm & (d < WORLD)
@@ -775,7 +793,7 @@ def _v5_scatter_kernel(
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
-    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW)
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW, False)
     # (c) stable slots, staging, perm; the ids are loaded two chunks ahead
     wloc = w * sub + lane
     ids_1 = gl.load(values_ptr + start + wloc, mask=wloc < n_t, other=0).to(gl.int64)
@@ -934,7 +952,7 @@ def _ranks_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) per dest: tile-local start, each warp's slot start in WC, SHIFT
-    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW)
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, NW, False)
     # (r2) every id in any order: the dest again (from the id), slot = the warp's start
     # for the dest + the rank; value staged at the slot, output position to perm. With
     # PREFETCH the next pass's ids are loaded before this pass's work (double buffer)
@@ -1056,39 +1074,55 @@ def _v5_scatter_ranks_kernel(
 def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
                  WORLD: gl.constexpr, MODULO: gl.constexpr, TILE: gl.constexpr,
                  NW: gl.constexpr, U: gl.constexpr, V32: gl.constexpr,
-                 PREFETCH: gl.constexpr):  # fmt: skip
+                 PREFETCH: gl.constexpr, RUNMAX: gl.constexpr,
+                 KR: gl.constexpr):  # fmt: skip
     """The work of `_v5_scatter_atomic_kernel` for tile t (`_ranks_tile`'s arguments):
-    no loop in input order at all.
+    no loop in input order unless a run is long.
 
     (a1) every id in any order: its dest, its unordered rank u among the tile's ids of
     that dest (`_sh_fetch_add16` on one row of tile counters), u and the dest stored by
-    input index; (b) `_slot_starts` with one row: the counters become the dests'
-    tile-local starts, SHIFT[d] = et[t, d] - start[d]; (a2) every id in any order: its
-    value staged at slot start[d] + u, its input index and dest by slot; (a3) the slots in
-    order: the stable rank r of the slot's id in its dest's run = how many input indices
-    of the run are below its own (`_run_rank`; the run is [start[d], start[d + 1]), ~tile
-    / W ids, which is why this scatter is for large W), the value written out to
-    et[t, d] + r (a warp's stores cover the same runs as in slot order), the final slot
-    start[d] + r by input index; (a4) every id in input order: perm = SHIFT[d] + its final
-    slot (coalesced stores).
+    input index; a thread that took some u >= RUNMAX raises the tile's LONG flag; (b)
+    `_slot_starts` with one row: the counters become the dests' tile-local starts,
+    SHIFT[d] = et[t, d] - start[d]; (a2) every id in any order: its value staged at slot
+    start[d] + u, its input index and dest by slot; (a3) the slots in order: the stable
+    rank r of the slot's id in its dest's run = how many input indices of the run are
+    below its own (`_run_rank`; the run is [start[d], start[d + 1]), ~tile / W ids, which
+    is why this scatter is for large W), the value written out to et[t, d] + r (a warp's
+    stores cover the same runs as in slot order), the final slot start[d] + r by input
+    index; (a4) every id in input order: perm = SHIFT[d] + its final slot (coalesced
+    stores).
+
+    A LONG tile (some dest holds more than RUNMAX of its ids) would cost a3 ~run length
+    shared loads per id: ~tile^2 when one dest takes the whole tile (W = 1, or hot ids
+    in one shard's range). It ranks in input order instead, between (b) and (a2): (o)
+    KR ranking warps, warp w < KR taking ids [w * TILE / KR, (w + 1) * TILE / KR), each
+    count its ids' dests in its own row of uint16 counters (in the VAL, LI and DSLOT
+    bytes, unused until a2), `_slot_starts` turns the rows into each warp's slot start
+    per dest, and each ranking warp walks its ids in order (`_warp_rank`: match.any and
+    its row), the final slot to UR; with KR = 1 (the rows do not fit) warp 0 walks the
+    whole tile on the WC row of starts itself. Then a2 stages at the final slot and a3
+    writes slot p to et[t, d] + p - start[d] without the run count. The flag is one
+    shared word read by every thread after a barrier: the branch is uniform per tile.
 
     Shared layout (bytes): VAL [TILE] int64 staging (int32 with V32: a value outside
-    [0, 2^31 - 1) is staged as -1 and a3 maps its id again); SHIFT [W] int64; WC [WROW]
-    uint16 tile counters, then starts (WROW >= W + 1, a multiple of 4: entry W holds the
-    tile's id count after the scan, the end of the last run); UR [TILE] uint16 by input
-    index (u, then the final slot); LI [TILE] uint16 by slot (input index); DSLOT [TILE]
-    uint16 by slot (dest); DEST [TILE] uint16 by input index (dest); WTOT [NW] int32."""
+    [0, 2^31 - 1) is staged as -1 and a3 maps its id again); LI [TILE] uint16 by slot
+    (input index); DSLOT [TILE] uint16 by slot (dest); SHIFT [W] int64; WC [WROW] uint16
+    tile counters, then starts (WROW >= W + 1, a multiple of 4: entry W holds the tile's
+    id count after the scan, the end of the last run); UR [TILE] uint16 by input index
+    (u, then the final slot); DEST [TILE] uint16 by input index (dest); WTOT [NW] int32;
+    LONG int32."""
     CH: gl.constexpr = NW * 32
     VAL: gl.constexpr = 0
-    SHIFT: gl.constexpr = VAL + TILE * (4 if V32 else 8)
+    LI: gl.constexpr = VAL + TILE * (4 if V32 else 8)
+    DSLOT: gl.constexpr = LI + TILE * 2
+    SHIFT: gl.constexpr = DSLOT + TILE * 2
     WROW: gl.constexpr = (WORLD + 4) // 4 * 4  # one row, entry W included
     WC: gl.constexpr = SHIFT + WORLD * 8
     WC_WORDS: gl.constexpr = WROW // 2
     UR: gl.constexpr = WC + WC_WORDS * 4
-    LI: gl.constexpr = UR + TILE * 2
-    DSLOT: gl.constexpr = LI + TILE * 2
-    DEST: gl.constexpr = DSLOT + TILE * 2
+    DEST: gl.constexpr = UR + TILE * 2
     WTOT: gl.constexpr = DEST + TILE * 2
+    LONG: gl.constexpr = WTOT + NW * 4
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     e = gl.arange(0, CH, layout=layout)
     w = e // 32
@@ -1097,8 +1131,10 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
     ET_EARLY: gl.constexpr = WORLD <= CH * U
     if ET_EARLY:
         et_row = gl.load(et_ptr + t * WORLD + e2, mask=e2 < WORLD, other=0).to(gl.int64)
+    _sh_st32(LONG + e * 0, e * 0, (e == 0).to(gl.int32))
     _zero_words(WC, WC_WORDS, e, CH)
     # (a1) any order: unordered rank by a shared atomic; u and dest by input index
+    umax = e2 * 0
     for j0 in range(0, n_t, CH * U):
         loc = j0 + e2
         m = loc < n_t
@@ -1108,16 +1144,22 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
         d, _ = _dest_local(ids, blk, inv, WORLD, MODULO, False)
         d = gl.where(m, d, 0)
         u = _sh_fetch_add16(WC + d * 2, mi)
+        umax = gl.maximum(umax, u)
         _sh_st16(UR + locc * 2, u, mi)
         _sh_st16(DEST + locc * 2, d, mi)
+    _sh_st32(LONG + e2 * 0, e2 * 0 + 1, (umax >= RUNMAX).to(gl.int32))
     # PREFETCH: a2's first ids are loaded here, in flight during (b)
     nxt = gl.load(values_ptr + start + e2, mask=(e2 < n_t) & PREFETCH, other=0).to(gl.int64)
     if ET_EARLY:
         _sh_st64(SHIFT + gl.where(e2 < WORLD, e2, 0) * 8, et_row, (e2 < WORLD).to(gl.int32))
     gl.thread_barrier()
     # (b) one row: tile-local start of each dest (entry W: n_t), SHIFT
-    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, 1)
-    # (a2) any order: value, input index and dest at slot start[d] + u
+    _slot_starts(et_ptr, t, e, w, lane, WC, SHIFT, WTOT, WORLD, WROW, NW, CH, ET_EARLY, 1, False)
+    long_tile = _sh_ld32(LONG) != 0  # after _slot_starts' closing barrier
+    if long_tile:
+        _atomic_long_ranks(et_ptr, t, n_t, e, w, lane, WC, SHIFT, WTOT, UR, DEST, WORLD,
+                           TILE, NW, KR)  # fmt: skip
+    # (a2) any order: value, input index and dest at slot start[d] + u (LONG: UR's slot)
     for j0 in range(0, n_t, CH * U):
         loc = j0 + e2
         m = loc < n_t
@@ -1131,7 +1173,10 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
             ids = gl.load(values_ptr + start + loc, mask=m, other=0).to(gl.int64)
         d, local = _dest_local(ids, blk, inv, WORLD, MODULO, False)
         d = gl.where(m, d, 0)
-        slot = _sh_ld16(WC + d * 2) + _sh_ld16(UR + locc * 2)
+        if long_tile:
+            slot = _sh_ld16(UR + locc * 2)
+        else:
+            slot = _sh_ld16(WC + d * 2) + _sh_ld16(UR + locc * 2)
         if V32:
             fits = local.to(gl.uint64) < 0x7FFFFFFF  # 0 <= local < 2^31 - 1
             _sh_st32(VAL + slot * 4, gl.where(fits, local, -1).to(gl.int32), mi)
@@ -1140,7 +1185,8 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
         _sh_st16(LI + slot * 2, loc, mi)
         _sh_st16(DSLOT + slot * 2, d, mi)
     gl.thread_barrier()
-    # (a3) slot order: stable rank within the run, write-out, final slot by input index
+    # (a3) slot order: stable rank within the run (LONG: the slot is final already),
+    # write-out, final slot by input index
     for j0 in range(0, n_t, CH * U):
         p = j0 + e2
         m = p < n_t
@@ -1148,9 +1194,11 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
         mi = m.to(gl.int32)
         li = _sh_ld16(LI + pc * 2)
         d = _sh_ld16(DSLOT + pc * 2)
-        s = _sh_ld16(WC + d * 2)
-        r = _run_rank(LI + s * 2, LI + _sh_ld16(WC + d * 2 + 2) * 2, li)
-        f = s + r
+        if long_tile:
+            f = pc
+        else:
+            s = _sh_ld16(WC + d * 2)
+            f = s + _run_rank(LI + s * 2, LI + _sh_ld16(WC + d * 2 + 2) * 2, li)
         if V32:
             v = _sh_ld32(VAL + pc * 4).to(gl.int64)
             big = m & (v == -1)
@@ -1173,6 +1221,49 @@ def _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, bl
 
 
 @gluon.jit
+def _atomic_long_ranks(et_ptr, t, n_t, e, w, lane, WC: gl.constexpr, SHIFT: gl.constexpr,
+                       WTOT: gl.constexpr, UR: gl.constexpr, DEST: gl.constexpr,
+                       WORLD: gl.constexpr, TILE: gl.constexpr, NW: gl.constexpr,
+                       KR: gl.constexpr):  # fmt: skip
+    """Step (o) of `_atomic_tile` on a LONG tile: each id's final tile slot (its dest's
+    start + its stable rank among the tile's ids of that dest) to UR[input index], by
+    KR warps each walking its own TILE / KR ids in input order. Uses bytes [0, KR *
+    WROW2 * 2) for the ranking warps' counter rows when KR > 1 (VAL, LI and DSLOT, whose
+    first writes come after); with KR = 1 warp 0 walks the tile on WC's starts (a2 and
+    a3 read no start on a LONG tile). Ends with a barrier."""
+    CH: gl.constexpr = NW * 32
+    SUB: gl.constexpr = TILE // KR  # ids of ranking warp w: [w * SUB, (w + 1) * SUB)
+    below, above = _lane_masks(lane)
+    wk = gl.where(w < KR, w, 0)
+    wloc = wk * SUB + lane
+    wend = gl.minimum(n_t, wk * SUB + SUB)
+    on = (w < KR) & (lane < SUB)
+    if KR > 1:
+        RW: gl.constexpr = (WORLD + 3) // 4 * 4  # row stride: whole u64 quads
+        ROWS: gl.constexpr = 0
+        _zero_words(ROWS, KR * RW // 2, e, CH)
+        for c in range(0, SUB, 32):  # each ranking warp counts its ids' dests
+            loc = wloc + c
+            m = on & (loc < wend)
+            d = _sh_ld16(DEST + gl.where(m, loc, 0) * 2)
+            _sh_add16(ROWS + (wk * RW + gl.where(m, d, 0)) * 2, m.to(gl.int32))
+        gl.thread_barrier()
+        # per ranking warp and dest: the slot of its first id (SHIFT rewritten, same values)
+        _slot_starts(et_ptr, t, e, w, lane, ROWS, SHIFT, WTOT, WORLD, RW, NW, CH, False, KR, True)
+    else:
+        RW: gl.constexpr = (WORLD + 4) // 4 * 4
+        ROWS: gl.constexpr = WC
+    for c in range(0, SUB, 32):
+        loc = wloc + c
+        m = on & (loc < wend)
+        mi = m.to(gl.int32)
+        d = gl.where(m, _sh_ld16(DEST + gl.where(m, loc, 0) * 2), -1)
+        rank, sync = _warp_rank(d, m, wk, below, above, ROWS, RW)
+        _sh_st16(UR + gl.where(m, loc, 0) * 2 + sync, rank, mi)
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _v5_scatter_atomic_kernel(
     values_ptr,
     block_sizes_ptr,
@@ -1189,13 +1280,15 @@ def _v5_scatter_atomic_kernel(
     U: gl.constexpr,
     V32: gl.constexpr,
     PREFETCH: gl.constexpr,
+    RUNMAX: gl.constexpr,
+    KR: gl.constexpr,
     B0: gl.constexpr,
     B1: gl.constexpr,
     B2: gl.constexpr,
     B3: gl.constexpr,
     REV: gl.constexpr,
 ):
-    """Tile t, ``scatter="atomic"`` (`_atomic_tile`'s steps a1, b, a2, a3, a4)."""
+    """Tile t, ``scatter="atomic"`` (`_atomic_tile`'s steps a1, b, [o,] a2, a3, a4)."""
     CH: gl.constexpr = NW * 32
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     buf0 = _reserve(B0)
@@ -1208,7 +1301,7 @@ def _v5_scatter_atomic_kernel(
     t, start, n_t, blk, inv = _tile_header(tile_key_ptr, tile_start_ptr, tile_end_ptr,
                                            block_sizes_ptr, REV)  # fmt: skip
     _atomic_tile(values_ptr, et_ptr, out_values_ptr, perm_ptr, t, start, n_t, blk, inv,
-                 WORLD, MODULO, TILE, NW, U, V32, PREFETCH)  # fmt: skip
+                 WORLD, MODULO, TILE, NW, U, V32, PREFETCH, RUNMAX, KR)  # fmt: skip
     _keep_live(buf0, out_values_ptr, t, layout, CH)
     if B1 > 0:
         _keep_live(buf1, out_values_ptr, t, layout, CH)
@@ -1240,7 +1333,8 @@ class V5Config:
         49, opt-in: no loop in input order; each id's rank among the tile's ids of its
         dest comes unordered from a shared atomic, and the stable rank is then counted
         within the dest's run of ~tile / W ids, so it is meant for large W; takes the
-        tile, warps, unroll, staging, prefetch, counts, snaps and reverse knobs only).
+        tile, warps, unroll, staging, prefetch, counts, snaps, reverse and run_limit
+        knobs only).
     counts: how the count kernel hands the per-(tile, dest) counts to the scan: "rows"
         ([tile][dest] rows, then `transpose_2d`) or "columns" (stored in the scan's
         [dest][tile] order by the count kernel itself: one launch and one copy less).
@@ -1330,6 +1424,15 @@ class V5Config:
         own precomputed output positions. Session 47 (`default_config_v5` has the
         numbers): 0.950x the time at W = 32 and 0.942x at 16 on an H200, no gain at 64
         or 1024 nor for the H100's 4096-id config; on in both tables where it gained.
+    run_limit: with ``scatter="atomic"``, a tile in which some dest holds more than
+        run_limit of its ids ranks them in input order (`_atomic_tile`'s step o: warps
+        walking their ids with match.any, as the ranks scatter does) instead of counting
+        within the dests' runs, whose cost per id is the run's length: a tile whose ids
+        all go to one dest (W = 1, or hot ids in one shard's row range) would cost ~tile^2
+        shared loads. 64 (the default) is a guess from the instruction counts (a warp
+        step of the run count per 32 slots against ~100 cycles of latency per ordered
+        step), not timed yet; 0 takes the ordered path on every tile, 16384 on none (the
+        runs' count alone, however long). Same bits either way.
     """
 
     tile: int = 4096
@@ -1350,6 +1453,7 @@ class V5Config:
     l2_ahead: int = 0
     diag_skip: int = 0
     reverse: bool = False
+    run_limit: int = 64
 
 
 def default_config_v5(world_size: int, device_name: Optional[str] = None) -> V5Config:
@@ -1469,14 +1573,27 @@ def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = Non
     where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``); the
     atomic scatter 16 (value, rank, input index, slot dest, input dest), less 4 with
     int32 staging, and one row of W + 1 counters."""
-    if cfg.scatter == "atomic":  # VAL, UR, LI, DSLOT, DEST; one counter row of W + 1
+    if cfg.scatter == "atomic":  # VAL, LI, DSLOT, UR, DEST; a row of W + 1; LONG
         per_id = 16 - (4 if _v32(cfg) else 0)
         row = (world_size + 4) // 4 * 4
-        return cfg.tile * per_id + world_size * 8 + row * 2 + cfg.scatter_warps * 4
+        return cfg.tile * per_id + world_size * 8 + row * 2 + cfg.scatter_warps * 4 + 4
     pos = cfg.slots == "pos" if pos is None else pos
     wc_words = cfg.scatter_warps * ((world_size + 3) // 4 * 4) // 2
     per_id = (14 if pos else 12) + (2 if _stored_dests(cfg) else 0) - (4 if _v32(cfg) else 0)
     return cfg.tile * per_id + world_size * 8 + wc_words * 4 + cfg.scatter_warps * 4
+
+
+def atomic_rank_warps(cfg: V5Config, world_size: int) -> int:
+    """How many warps rank a LONG tile of the atomic scatter in input order (see
+    `_atomic_tile`): the most, up to ``scatter_warps`` and halving, whose uint16 counter
+    rows of W (rounded up to 4) fit in the tile's VAL, LI and DSLOT bytes; 1 where not
+    even two fit (warp 0 then ranks the whole tile on the tile's row of starts)."""
+    free = cfg.tile * ((4 if _v32(cfg) else 8) + 4)
+    row = (world_size + 3) // 4 * 4 * 2
+    k = cfg.scatter_warps
+    while k > 1 and k * row > free:
+        k //= 2
+    return k
 
 
 def _stored_dests(cfg: V5Config) -> bool:
@@ -1506,7 +1623,8 @@ def _scatter_meta(cfg: V5Config, world_size: int, modulo: bool, pos: bool, bufs)
             "U": cfg.unroll, "B0": bufs[0], "B1": bufs[1], "B2": bufs[2],
             "B3": bufs[3], "REV": cfg.reverse}  # fmt: skip
     if cfg.scatter == "atomic":
-        return {**meta, "V32": _v32(cfg), "PREFETCH": cfg.prefetch}
+        return {**meta, "V32": _v32(cfg), "PREFETCH": cfg.prefetch, "RUNMAX": cfg.run_limit,
+                "KR": atomic_rank_warps(cfg, world_size)}  # fmt: skip
     meta["POS"] = pos
     if cfg.scatter == "ranks":
         meta["DST"] = _stored_dests(cfg)
@@ -1538,8 +1656,13 @@ def check_config(cfg: V5Config) -> None:
         if given:
             raise ValueError(
                 f'scatter="atomic" takes tile, warps, unroll, staging, prefetch, counts, '
-                f"snaps and reverse only, got {', '.join(given)}"
+                f"snaps, reverse and run_limit only, got {', '.join(given)}"
             )
+    rl = cfg.run_limit
+    if not isinstance(rl, int) or isinstance(rl, bool) or not 0 <= rl <= 16384:
+        raise ValueError(f"run_limit must be an int in [0, 16384], got {rl!r}")
+    if rl != 64 and cfg.scatter != "atomic":
+        raise ValueError(f'run_limit is an option of scatter="atomic", got {cfg.scatter!r}')
     if cfg.counts not in COUNTS:
         raise ValueError(f"counts must be one of {COUNTS}, got {cfg.counts!r}")
     if cfg.slots not in SLOTS:
