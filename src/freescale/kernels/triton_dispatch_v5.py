@@ -1227,10 +1227,10 @@ def _atomic_long_ranks(et_ptr, t, n_t, e, w, lane, WC: gl.constexpr, SHIFT: gl.c
                        KR: gl.constexpr):  # fmt: skip
     """Step (o) of `_atomic_tile` on a LONG tile: each id's final tile slot (its dest's
     start + its stable rank among the tile's ids of that dest) to UR[input index], by
-    KR warps each walking its own TILE / KR ids in input order. Uses bytes [0, KR *
-    WROW2 * 2) for the ranking warps' counter rows when KR > 1 (VAL, LI and DSLOT, whose
-    first writes come after); with KR = 1 warp 0 walks the tile on WC's starts (a2 and
-    a3 read no start on a LONG tile). Ends with a barrier."""
+    KR warps each walking its own TILE / KR ids in input order. Uses bytes [0, KR * RW *
+    2) for the ranking warps' counter rows when KR > 1 (RW: W rounded up to 4; in VAL,
+    LI and DSLOT, whose first writes come after); with KR = 1 warp 0 walks the tile on
+    WC's starts (a2 and a3 read no start on a LONG tile). Ends with a barrier."""
     CH: gl.constexpr = NW * 32
     SUB: gl.constexpr = TILE // KR  # ids of ranking warp w: [w * SUB, (w + 1) * SUB)
     below, above = _lane_masks(lane)
@@ -1572,7 +1572,7 @@ def scatter_smem_bytes(cfg: V5Config, world_size: int, pos: Optional[bool] = Non
     12 bytes (staged: value, input dest, slot dest; ranks: value, rank, slot dest), 14
     where the slots hold int32 positions (`pos`; default: ``cfg.slots == "pos"``); the
     atomic scatter 16 (value, rank, input index, slot dest, input dest), less 4 with
-    int32 staging, and one row of W + 1 counters."""
+    int32 staging, one row of W + 1 counters and its LONG flag (`_atomic_tile`)."""
     if cfg.scatter == "atomic":  # VAL, LI, DSLOT, UR, DEST; a row of W + 1; LONG
         per_id = 16 - (4 if _v32(cfg) else 0)
         row = (world_size + 4) // 4 * 4
